@@ -1,0 +1,1 @@
+"""The control plane (sequences, scheduler, block manager) and the loop that drives the model."""

@@ -1,0 +1,61 @@
+"""The engine loop: validate and queue requests, then step = schedule, run, postprocess.
+
+Introduced in stage 00; every stage reuses it and only swaps the cache manager (memory
+bookkeeping) and the cache (tensor layout). It does no tokenization: requests arrive as ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine.model_runner import ModelRunner
+from nanoserve.engine.scheduler import Scheduler
+from nanoserve.engine.sequence import Sequence
+from nanoserve.sampling import SamplingParams
+
+
+class LLMEngine:
+    """One scheduler, one model runner, and the request checks in front of them."""
+
+    def __init__(self, config: EngineConfig, runner: ModelRunner, manager, eos_ids: Iterable[int]):
+        self.config = config
+        self.runner = runner
+        self.manager = manager
+        self.scheduler = Scheduler(config, manager)
+        self.eos_ids = frozenset(eos_ids)
+        self.vocab_size = runner.model.config.vocab_size
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+        """Validate and queue one request; raises ValueError and queues nothing if it is bad."""
+        self.check_prompt(prompt_token_ids)
+        seq = Sequence(prompt_token_ids, params, device=self.runner.device)
+        self.scheduler.add(seq)
+        return seq
+
+    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Raise ValueError naming what is wrong with a prompt; queue nothing."""
+        if len(prompt_token_ids) == 0:
+            raise ValueError("prompt is empty; it needs at least one token")
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt has token id {bad[0]!r}; ids must be integers in [0, {self.vocab_size})"
+            )
+        if len(prompt_token_ids) >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens; max_model_len is "
+                f"{self.config.max_model_len}, which must leave room for one generated token"
+            )
+
+    def step(self) -> list[Sequence]:
+        """Run one batch; returns the sequences that finished in it."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            raise RuntimeError("scheduler produced an empty batch with requests pending")
+        token_ids = self.runner.run(batch)
+        return self.scheduler.postprocess(batch, token_ids, self.eos_ids)
+
+    def has_unfinished(self) -> bool:
+        """True while some request waits or runs."""
+        return not self.scheduler.is_finished()

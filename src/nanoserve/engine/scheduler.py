@@ -1,0 +1,112 @@
+"""The scheduler: which sequences run in the next step, and whether it is a prefill or a decode.
+
+Introduced in stage 00; unchanged in spirit through stage 09. Memory is the cache manager's
+business (`can_allocate/allocate/can_append/may_append/deallocate`); the scheduler only asks.
+A step is all-prefill or all-decode (no chunked prefill, no mixing), as in nano-vLLM.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine.sequence import Sequence, SequenceStatus
+
+
+class ScheduledBatch(NamedTuple):
+    """The sequences of one step and the kind of step."""
+
+    seqs: list[Sequence]
+    is_prefill: bool
+
+
+class Scheduler:
+    """Waiting and running queues; admits by the manager's memory, preempts the newest."""
+
+    def __init__(self, config: EngineConfig, manager):
+        self.config = config
+        self.manager = manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request (already validated by the engine)."""
+        self.waiting.append(seq)
+
+    def is_finished(self) -> bool:
+        """True when nothing waits and nothing runs."""
+        return not self.waiting and not self.running
+
+    def schedule(self) -> ScheduledBatch:
+        """Prefill newly admitted sequences if any fit, else decode the running ones."""
+        prefill = self._schedule_prefill()
+        if prefill:
+            return ScheduledBatch(prefill, is_prefill=True)
+        return ScheduledBatch(self._schedule_decode(), is_prefill=False)
+
+    def _schedule_prefill(self) -> list[Sequence]:
+        scheduled, num_batched_tokens = [], 0
+        while self.waiting and len(scheduled) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            num_new_tokens = len(seq) - seq.num_cached_tokens
+            if num_batched_tokens + num_new_tokens > self.config.max_num_batched_tokens:
+                break
+            if not self.manager.can_allocate(seq):
+                break
+            self.manager.allocate(seq)
+            num_batched_tokens += len(seq) - seq.num_cached_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.waiting.popleft()
+            self.running.append(seq)
+            scheduled.append(seq)
+        return scheduled
+
+    def _schedule_decode(self) -> list[Sequence]:
+        scheduled = []
+        while self.running and len(scheduled) < self.config.max_num_seqs:
+            seq = self.running.popleft()
+            while not self.manager.can_append(seq):
+                if self.running:  # free the newest sequence's memory and retry
+                    self.preempt(self.running.pop())
+                else:  # seq is the only one left: it waits for memory itself
+                    self.preempt(seq)
+                    break
+            else:
+                self.manager.may_append(seq)
+                scheduled.append(seq)
+        self.running.extendleft(reversed(scheduled))
+        return scheduled
+
+    def preempt(self, seq: Sequence) -> None:
+        """Drop seq's cache and send it to the front of the queue; it is recomputed later."""
+        seq.status = SequenceStatus.WAITING
+        self.manager.deallocate(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def postprocess(self, batch: ScheduledBatch, token_ids: list[int], eos_ids) -> list[Sequence]:
+        """Append each sampled token; finish and release sequences that are done."""
+        finished = []
+        for seq, token_id in zip(batch.seqs, token_ids):
+            seq.num_cached_tokens = len(seq)  # this step stored K/V for every token so far
+            seq.append_token(token_id)
+            reason = finish_reason(seq, token_id, eos_ids, self.config.max_model_len)
+            if reason is not None:
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+                self.manager.deallocate(seq)
+                self.running.remove(seq)
+                finished.append(seq)
+        return finished
+
+
+def finish_reason(seq: Sequence, token_id: int, eos_ids, max_model_len: int) -> str | None:
+    """"stop" on an EOS or stop token, "length" at max_tokens or max_model_len, else None."""
+    params = seq.params
+    if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_ids):
+        return "stop"
+    if seq.num_completion_tokens >= params.max_tokens or len(seq) >= max_model_len:
+        return "length"
+    return None

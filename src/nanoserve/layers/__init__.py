@@ -1,0 +1,1 @@
+"""Tensor building blocks of the decoder: norm, rotary embedding, MLP activation."""

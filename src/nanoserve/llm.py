@@ -1,0 +1,165 @@
+"""`LLM`, the public entry point, shaped like vLLM's: load a model once, then generate or chat.
+
+Introduced in stage 00. It tokenizes, builds the engine of the requested stage, drives the loop
+and detokenizes; all the mechanism lives in `nanoserve.engine` and `nanoserve.cache`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine.builders import build_engine
+from nanoserve.models.loader import load_model
+from nanoserve.models.registry import DEFAULT_MODEL
+from nanoserve.sampling import SamplingParams
+from nanoserve.stages import latest_stage, require_implemented
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32,
+          "bfloat16": torch.bfloat16, "float16": torch.float16}  # fmt: skip
+
+
+@dataclass
+class RequestOutput:
+    """One finished request."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or a stop token) or "length" (max_tokens, max_model_len)
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """cuda when available, else cpu, unless one is named."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """bfloat16 on cuda and float32 on cpu, unless one is named."""
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"dtype {dtype!r} is not supported; expected one of {sorted(DTYPES)}")
+
+
+class LLM:
+    """A model plus the engine of one stage."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, stage: int | None = None, device=None,
+                 dtype=None, **engine_options):  # fmt: skip
+        self.stage = latest_stage() if stage is None else require_implemented(stage)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        loaded = load_model(model, self.device, self.dtype)
+        self.model, self.tokenizer = loaded.model, loaded.tokenizer
+        model_config = self.model.config
+        engine_options.setdefault(
+            "max_model_len", min(model_config.max_position_embeddings, 4096)
+        )
+        engine_options.setdefault(
+            "max_num_batched_tokens", max(8192, engine_options["max_model_len"])
+        )
+        self.config = EngineConfig(**engine_options)
+        self.engine = build_engine(self.stage.number, self.config, self.model, self.eos_ids())
+
+    def eos_ids(self) -> set[int]:
+        """Token ids that end a completion: the config's and the tokenizer's EOS."""
+        ids = set(self.model.config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete every prompt; outputs come back in the order of the prompts."""
+        texts, prompt_ids = self._tokenize_all(prompts)
+        params = self._params_per_prompt(sampling_params, len(prompt_ids))
+        for i, ids in enumerate(prompt_ids):  # check all first, so a bad prompt queues nothing
+            try:
+                self.engine.check_prompt(ids)
+            except ValueError as err:
+                raise ValueError(f"prompts[{i}]: {err}") from None
+        seqs = [self.engine.add_request(ids, p) for ids, p in zip(prompt_ids, params)]
+        bar = tqdm(total=len(seqs), desc="generate", disable=not use_tqdm or len(seqs) < 2)
+        with bar:
+            while self.engine.has_unfinished():
+                bar.update(len(self.engine.step()))
+        return [self._output(text, seq) for text, seq in zip(texts, seqs)]
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Reply to one conversation (a list of {"role", "content"}) or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(c) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: list[dict]) -> str:
+        """The prompt text for a conversation, ending where the assistant's turn begins."""
+        self._need_tokenizer()
+        return self.tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=True
+        )
+
+    def stream(self, prompt: str, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield pieces of the completion text as tokens are produced."""
+        _, (ids,) = self._tokenize_all([prompt])
+        seq = self.engine.add_request(ids, sampling_params or SamplingParams())
+        printed = ""
+        while not seq.is_finished:
+            self.engine.step()
+            text = self._decode(seq.completion_token_ids)
+            if not text.endswith("\ufffd"):  # hold back half of a multi-byte character
+                yield text[len(printed) :]
+                printed = text
+
+    def _tokenize_all(self, prompts) -> tuple[list[str | None], list[list[int]]]:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not isinstance(prompts, Sequence) or len(prompts) == 0:
+            raise ValueError("prompts must be a string, a list of strings or a list of id lists")
+        texts, ids = [], []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                self._need_tokenizer()
+                texts.append(prompt)
+                ids.append(self.tokenizer.encode(prompt, add_special_tokens=False))
+            elif isinstance(prompt, Sequence):
+                texts.append(None)
+                ids.append(list(prompt))
+            else:
+                raise ValueError(f"prompts[{i}] is a {type(prompt).__name__}; expected str or ids")
+        return texts, ids
+
+    @staticmethod
+    def _params_per_prompt(sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        if len(sampling_params) != n:
+            raise ValueError(
+                f"sampling_params has {len(sampling_params)} entries for {n} prompts; "
+                "pass one SamplingParams or one per prompt"
+            )
+        return list(sampling_params)
+
+    def _need_tokenizer(self) -> None:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer; pass prompts as lists of token ids")
+
+    def _decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _output(self, prompt: str | None, seq) -> RequestOutput:
+        return RequestOutput(prompt, seq.prompt_token_ids, self._decode(seq.completion_token_ids),
+                             seq.completion_token_ids, seq.finish_reason)  # fmt: skip

@@ -1,0 +1,127 @@
+"""The decoder: one module for the Llama, Qwen2 and Qwen3 families.
+
+Introduced in stage 00. Tokens arrive packed along one axis (no batch dimension, no padding), with
+their positions; attention is delegated to a backend object passed into `forward`, which is where
+every later stage changes how keys and values are stored. Parameter names match Hugging Face's, so
+a checkpoint's state dict loads as it is.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoserve.layers.norm import RMSNorm
+from nanoserve.layers.rotary import RotaryEmbedding, apply_rotary
+from nanoserve.models.config import ModelConfig
+
+
+class Attention(nn.Module):
+    """q/k/v projections, optional q/k norm (Qwen3), RoPE, the backend, output projection."""
+
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        hidden = config.hidden_size
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(hidden, q_size, bias=bias)
+        self.k_proj = nn.Linear(hidden, kv_size, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv_size, bias=bias)
+        self.o_proj = nn.Linear(q_size, hidden, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+
+    def forward(self, x: torch.Tensor, rope: tuple, attn) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, k, *rope)
+        out = attn.forward(self.layer_id, q, k, v, self.scale)  # (T, H, D)
+        return self.o_proj(out.reshape(num_tokens, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return swiglu(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+
+
+def swiglu(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor):
+    """down(silu(gate(x)) * up(x)) with weights (I, hidden), (I, hidden), (hidden, I)."""
+    return F.linear(F.silu(F.linear(x, gate_w)) * F.linear(x, up_w), down_w)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_id)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, rope: tuple, attn) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """Embedding, the layer stack, the final norm (Hugging Face's `model.` prefix)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # (T, hidden)
+        rope = self.rotary.cos_sin(positions, x.dtype)  # (T, head_dim) each, shared by all layers
+        for layer in self.layers:
+            x = layer(x, rope, attn)
+        return self.norm(x)
+
+
+class CausalLM(nn.Module):
+    """The decoder plus its language-model head.
+
+    `attn` is the attention backend: any object with
+    `forward(layer_id, q (T, H, D), k (T, H_kv, D), v (T, H_kv, D), scale) -> (T, H, D)`.
+    It may store k and v (that is the KV cache); it must not change q, k or v.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        """Final hidden states for every packed token, (T, hidden)."""
+        return self.model(input_ids, positions, attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the vocabulary for the given hidden states, (N, vocab)."""
+        return self.lm_head(hidden)

@@ -1,0 +1,111 @@
+"""Loaders: a name or path in, a `CausalLM` with weights and its tokenizer out.
+
+Introduced in stage 00. Reads a Hugging Face folder (`config.json` + `*.safetensors`, sharded or
+not) or a GGUF file (`models/gguf.py`), or a known name from the registry. It never downloads.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from safetensors.torch import load_file
+
+from nanoserve.models.config import ModelConfig
+from nanoserve.models.decoder import CausalLM
+from nanoserve.models.registry import KNOWN_MODELS, known_model_path
+
+
+class LoadedModel(NamedTuple):
+    """A ready model, its tokenizer (None when the checkpoint has none), and where it came from."""
+
+    model: CausalLM
+    tokenizer: Any
+    source: Path
+
+
+def resolve_model_path(model: str | Path) -> Path:
+    """A known name's file, or an existing path; ValueError otherwise."""
+    if isinstance(model, str) and model in KNOWN_MODELS:
+        return known_model_path(model)
+    path = Path(model)
+    if not path.exists():
+        raise ValueError(
+            f"model {str(model)!r} is neither a known model name ({', '.join(KNOWN_MODELS)}) "
+            "nor an existing file or folder"
+        )
+    return path
+
+
+def load_model(model: str | Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    """Load weights and tokenizer from a known name, a GGUF file or a safetensors folder."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        hf_config, state_dict, tokenizer = read_hf_folder(path)
+    elif path.suffix == ".gguf":
+        from nanoserve.models.gguf import read_gguf  # lazy: `gguf` is only needed here
+
+        hf_config, state_dict, tokenizer = read_gguf(path)
+    else:
+        raise ValueError(
+            f"model path {str(path)!r} is not a .gguf file or a folder with config.json "
+            "and *.safetensors"
+        )
+    config = ModelConfig.from_hf_dict(hf_config)
+    return LoadedModel(build_model(config, state_dict, device, dtype), tokenizer, path)
+
+
+def read_hf_folder(folder: Path) -> tuple[dict, dict[str, torch.Tensor], Any]:
+    """config.json, every safetensors shard, and the tokenizer if the folder has one."""
+    config_file = folder / "config.json"
+    shards = sorted(folder.glob("*.safetensors"))
+    if not config_file.is_file() or not shards:
+        raise ValueError(
+            f"folder {str(folder)!r} needs config.json and *.safetensors "
+            f"(found config.json: {config_file.is_file()}, shards: {len(shards)})"
+        )
+    state_dict = {}
+    for shard in shards:
+        state_dict.update(load_file(shard))
+    return json.loads(config_file.read_text()), state_dict, read_tokenizer(folder)
+
+
+def read_tokenizer(folder: Path):
+    """The folder's tokenizer, or None when it has no tokenizer files."""
+    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def build_model(
+    config: ModelConfig,
+    state_dict: dict[str, torch.Tensor] | None,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> CausalLM:
+    """A CausalLM on device in dtype, filled from state_dict (random init when it is None)."""
+    with torch.device(device):
+        model = CausalLM(config)
+    if state_dict is not None:
+        load_weights(model, state_dict)
+    return model.to(dtype=dtype).eval()
+
+
+def load_weights(model: CausalLM, state_dict: dict[str, torch.Tensor]) -> None:
+    """Copy a Hugging Face-named state dict in, checking that nothing is missing or left over."""
+    state_dict = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
+    if model.config.tie_word_embeddings:
+        state_dict.pop("lm_head.weight", None)  # the head *is* the embedding
+    result = model.load_state_dict(state_dict, strict=False)
+    missing = set(result.missing_keys) - (
+        {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    )
+    if missing or result.unexpected_keys:
+        raise ValueError(
+            f"checkpoint does not match the {model.config.model_type} decoder: "
+            f"missing {sorted(missing)[:5]}, unexpected {sorted(result.unexpected_keys)[:5]}"
+        )

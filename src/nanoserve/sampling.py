@@ -1,0 +1,91 @@
+"""Sampling parameters and the sampler that turns logits into next tokens.
+
+Introduced in stage 00. Temperature 0 is greedy (argmax); otherwise softmax(logits / T), cut to
+top-k and then top-p, and one draw per sequence. A draw uses the exponential-race trick
+(argmax of p / E with E ~ Exp(1)), which picks token i with probability p_i and batches well.
+It does no beam search, no penalties and no logprobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens for one request; validated on creation."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    max_tokens: int = 64
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self):
+        _check(self.temperature >= 0, "temperature", self.temperature, ">= 0 (0 means greedy)")
+        _check(self.top_k is None or self.top_k >= 1, "top_k", self.top_k, "None or >= 1")
+        _check(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
+        _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, ">= 1")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the next token is always the argmax."""
+        return self.temperature == 0 or self.top_k == 1
+
+
+def _check(ok: bool, name: str, value, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{name} = {value!r} is invalid; expected {allowed}")
+
+
+def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    """A private random stream for a seeded request, so its tokens ignore its batch-mates."""
+    if params.seed is None or params.is_greedy:
+        return None
+    return torch.Generator(device=device).manual_seed(params.seed)
+
+
+def filter_probs(probs: torch.Tensor, top_k: int | None, top_p: float) -> torch.Tensor:
+    """Zero every token outside the top-k, then outside the smallest set whose mass reaches p."""
+    if top_k is not None and top_k < probs.shape[-1]:
+        kth = torch.topk(probs, top_k).values[-1]
+        probs = torch.where(probs >= kth, probs, 0.0)
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        keep_sorted = mass_before < top_p * sorted_probs.sum()  # the crossing token stays
+        keep = torch.zeros_like(keep_sorted).scatter(0, order, keep_sorted)
+        probs = torch.where(keep, probs, 0.0)
+    return probs
+
+
+class Sampler:
+    """Picks one token per row of a logits batch."""
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> list[int]:
+        """Next token ids for logits (B, V), one SamplingParams and generator per row."""
+        token_ids = logits.argmax(dim=-1)
+        rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        if not rows:
+            return token_ids.tolist()
+        row_index = torch.tensor(rows, device=logits.device)
+        temperatures = torch.tensor([params[i].temperature for i in rows], device=logits.device)
+        probs = torch.softmax(logits[row_index].float() / temperatures[:, None], dim=-1)
+        noise = torch.empty_like(probs).exponential_()  # one Exp(1) draw per (row, token)
+        for j, i in enumerate(rows):
+            if params[i].top_k is not None or params[i].top_p < 1.0:
+                probs[j] = filter_probs(probs[j], params[i].top_k, params[i].top_p)
+            if generators[i] is not None:
+                noise[j].exponential_(generator=generators[i])
+        token_ids[row_index] = (probs / noise).argmax(dim=-1)
+        return token_ids.tolist()
