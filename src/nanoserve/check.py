@@ -1,0 +1,184 @@
+"""`nanoserve check NN --impl X`: run a stage's graded tests and report what passed, failed, skipped.
+
+Introduced in stage 00. The tests run in a pytest subprocess (a fresh import of the learner's
+code each time) with this module loaded as a plugin that records every test's outcome. A skip is
+never a pass: only a test that needs a GPU and skipped for lack of one is excused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+from nanoserve import grading
+from nanoserve.stages import get_stage
+
+REPORT_ENV_VAR = "NANOSERVE_CHECK_REPORT"  # where the plugin half of this module writes outcomes
+
+
+class Outcome(Enum):
+    """What happened to one graded test."""
+
+    PASSED = "passed"
+    FAILED = "failed"
+    SKIPPED = "skipped"
+    SKIPPED_NEEDS_GPU = "skipped, needs a GPU"
+
+
+@dataclass(frozen=True)
+class TestResult:
+    """One graded test: its pytest id, outcome and a one-line message (failure or skip reason)."""
+
+    __test__ = False  # not a pytest test class, despite the name
+
+    nodeid: str
+    outcome: Outcome
+    message: str = ""
+
+    @property
+    def behaviour(self) -> str:
+        """The test name as a sentence: test_task_2_foo_bar[x] -> 'task 2: foo bar [x]'."""
+        name = self.nodeid.rsplit("::", 1)[-1].removeprefix("test_")
+        name, bracket, params = name.partition("[")
+        words = name.split("_")
+        if len(words) > 2 and words[0] == "task" and words[1].isdigit():
+            words = [f"task {words[1]}:", *words[2:]]
+        return " ".join(words) + (f" [{params}" if bracket else "")
+
+
+@dataclass(frozen=True)
+class GradedRun:
+    """Every result of one run of a stage's graded file, plus pytest's own exit status."""
+
+    stage_number: int
+    impl: str
+    results: tuple[TestResult, ...]
+    returncode: int
+    output: str
+
+    def with_outcome(self, outcome: Outcome) -> list[TestResult]:
+        """The results that ended with this outcome, in run order."""
+        return [r for r in self.results if r.outcome is outcome]
+
+    @property
+    def is_success(self) -> bool:
+        """True when tests ran and each passed or skipped only for want of a GPU."""
+        excused = (Outcome.PASSED, Outcome.SKIPPED_NEEDS_GPU)
+        ran_cleanly = self.returncode in (0, 1)  # 1 = some failed; anything else = pytest broke
+        return ran_cleanly and bool(self.results) and all(r.outcome in excused for r in self.results)
+
+
+def run_graded(stage: int, impl: str = "ref", keyword: str | None = None) -> GradedRun:
+    """Run stage `stage`'s graded test file against `impl` in a pytest subprocess."""
+    root = grading.repo_root()
+    test_file = root / get_stage(stage).test_file
+    if not test_file.is_file():
+        raise FileNotFoundError(f"stage {stage} has no graded test file yet ({test_file})")
+    impl = grading.normalize_impl(impl)
+    with tempfile.TemporaryDirectory(prefix="nanoserve-check-") as tmp:
+        report_path = Path(tmp) / "outcomes.jsonl"
+        env = {**os.environ, grading.IMPL_ENV_VAR: impl, REPORT_ENV_VAR: str(report_path)}
+        command = [sys.executable, "-m", "pytest", str(test_file), "--impl", impl, "-q"]
+        command += ["-p", "no:cacheprovider", "-p", "nanoserve.check", "--rootdir", str(root)]
+        command += ["-k", keyword] if keyword else []
+        proc = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
+        records = _read_records(report_path)
+    return GradedRun(stage, impl, _results(records), proc.returncode, proc.stdout + proc.stderr)
+
+
+def format_report(run: GradedRun) -> str:
+    """A short, human report: passed, failed (with why), skipped (kept apart from passed)."""
+    stage = get_stage(run.stage_number)
+    passed = run.with_outcome(Outcome.PASSED)
+    lines = [f"stage {stage.stem} ({stage.title}) --impl {run.impl}"]
+    lines.append(f"  passed   {len(passed)} of {len(run.results)}")
+    for outcome, note in (
+        (Outcome.FAILED, ""),
+        (Outcome.SKIPPED, "  (a skip is not a pass)"),
+        (Outcome.SKIPPED_NEEDS_GPU, "  (excused on a machine without a GPU)"),
+    ):
+        group = run.with_outcome(outcome)
+        if group:
+            lines.append(f"  {outcome.value} {len(group)}{note}")
+            lines += [f"    - {r.behaviour}\n        {r.message}" for r in group]
+    if not run.results or run.returncode not in (0, 1):
+        tail = "\n".join(run.output.strip().splitlines()[-25:])
+        lines.append(f"  pytest exited with status {run.returncode}; its last lines:\n{tail}")
+    lines.append("  OK: every graded test passed" if run.is_success else "  NOT PASSED")
+    return "\n".join(lines)
+
+
+def run_check(stage: int, impl: str = "ref", keyword: str | None = None) -> int:
+    """Run, print the report, and return 0 only when every graded test passed (a skip fails)."""
+    try:
+        run = run_graded(stage, impl, keyword)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"nanoserve check: {err}", file=sys.stderr)
+        return 2
+    print(format_report(run))
+    return 0 if run.is_success else 1
+
+
+def _read_records(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _results(records: list[dict]) -> tuple[TestResult, ...]:
+    """Fold setup/call/teardown records into one result per test: a failure beats a skip beats
+    a pass, and the first failure's message is the one kept."""
+    rank = {Outcome.PASSED: 0, Outcome.SKIPPED: 1, Outcome.SKIPPED_NEEDS_GPU: 1, Outcome.FAILED: 2}
+    by_test: dict[str, TestResult] = {}
+    for record in records:
+        result = TestResult(record["nodeid"], Outcome(record["outcome"]), record["message"])
+        previous = by_test.get(result.nodeid)
+        if previous is None or rank[result.outcome] > rank[previous.outcome]:
+            by_test[result.nodeid] = result
+    return tuple(by_test.values())
+
+
+# ---- the plugin half: loaded into the pytest subprocess with `-p nanoserve.check` ----
+
+
+def pytest_runtest_logreport(report) -> None:
+    if report.when == "call" or not report.passed:
+        _write_record(report.nodeid, _outcome_of(report), _message_of(report))
+
+
+def pytest_collectreport(report) -> None:
+    if report.failed:  # an import or syntax error in the graded file: nothing could run
+        _write_record(report.nodeid or "collection", Outcome.FAILED, _message_of(report))
+
+
+def _outcome_of(report) -> Outcome:
+    if report.failed:
+        return Outcome.FAILED
+    if report.skipped:
+        return Outcome.SKIPPED_NEEDS_GPU if "gpu" in report.keywords else Outcome.SKIPPED
+    return Outcome.PASSED
+
+
+def _message_of(report) -> str:
+    if report.passed:
+        return ""
+    if report.skipped and isinstance(report.longrepr, tuple):
+        return str(report.longrepr[2]).removeprefix("Skipped: ")
+    crash = getattr(report.longrepr, "reprcrash", None)
+    text = crash.message if crash is not None else report.longreprtext
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    return lines[0] if lines else "(no message)"
+
+
+def _write_record(nodeid: str, outcome: Outcome, message: str) -> None:
+    path = os.environ.get(REPORT_ENV_VAR)
+    if path:
+        record = {"nodeid": nodeid, "outcome": outcome.value, "message": message}
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")

@@ -1,0 +1,132 @@
+"""The `nanoserve` command: generate, chat, stages, check.
+
+Introduced in stage 00 (`check` in stage 01-03's harness, `bench` in stage 04). Each subcommand
+is a thin wrapper over the Python API; argument errors name the argument and what was expected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+DEFAULT_QUESTION = "What is the capital of France? Answer in one sentence."
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """Options shared by every subcommand that loads a model."""
+    parser.add_argument("--model", default="smollm2", help="known name, GGUF file or HF folder")
+    parser.add_argument("--stage", type=int, default=None, help="engine as of stage N")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    parser.add_argument("--dtype", default=None, help="float32, bfloat16, float16 or float64")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with every subcommand."""
+    parser = argparse.ArgumentParser(prog="nanoserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete prompts (chat template applied)")
+    gen.add_argument("prompts", nargs="*", default=[DEFAULT_QUESTION])
+    gen.add_argument("--raw", action="store_true", help="no chat template: plain completion")
+    add_model_args(gen)
+    chat = sub.add_parser("chat", help="talk to the model; /exit quits")
+    add_model_args(chat)
+    sub.add_parser("stages", help="print the stage table")
+    check = sub.add_parser("check", help="grade an implementation of one stage")
+    check.add_argument("stage", type=int)
+    check.add_argument("--impl", default="ref", help="ref, starter, a .py path or a module")
+    return parser
+
+
+def sampling_params(args):
+    """SamplingParams from the command line (ValueError names the bad field)."""
+    from nanoserve.sampling import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+    )
+
+
+def make_llm(args):
+    """An LLM for the chosen model, stage, device and dtype."""
+    from nanoserve.llm import LLM
+
+    return LLM(args.model, stage=args.stage, device=args.device, dtype=args.dtype)
+
+
+def cmd_generate(args) -> int:
+    params = sampling_params(args)
+    llm = make_llm(args)
+    if args.raw or llm.tokenizer is None or not llm.tokenizer.chat_template:
+        prompts = args.prompts
+    else:
+        prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in args.prompts]
+    outputs = llm.generate(prompts, params)
+    for question, out in zip(args.prompts, outputs):
+        print(f"> {question}\n{out.text.strip()}\n[{len(out.token_ids)} tokens, {out.finish_reason}]")
+    return 0
+
+
+def cmd_chat(args) -> int:
+    params = sampling_params(args)
+    llm = make_llm(args)
+    history: list[dict] = []
+    print(f"nanoserve chat: {args.model}, stage {llm.stage.number}. /exit quits.")
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            return 0
+        if line == "/exit":
+            return 0
+        if not line:
+            continue
+        history.append({"role": "user", "content": line})
+        print("bot> ", end="", flush=True)
+        reply = ""
+        for piece in llm.stream(llm.apply_chat_template(history), params):
+            print(piece, end="", flush=True)
+            reply += piece
+        print()
+        history.append({"role": "assistant", "content": reply})
+
+
+def cmd_stages(args) -> int:
+    from nanoserve.stages import STAGES
+
+    print(f"{'#':>2}  {'stem':<22} {'status':<12} {'gpu':<4} adds")
+    for s in STAGES:
+        gpu = "yes" if s.needs_gpu else ""
+        print(f"{s.number:>2}  {s.stem:<22} {s.status.value:<12} {gpu:<4} {s.summary}")
+    return 0
+
+
+def cmd_check(args) -> int:
+    from nanoserve.check import run_check
+
+    return run_check(args.stage, args.impl)
+
+
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "stages": cmd_stages, "check": cmd_check}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `nanoserve` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"nanoserve {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

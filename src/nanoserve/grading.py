@@ -1,0 +1,162 @@
+"""Which implementation a stage's graded tests run against: the reference, the starter, or yours.
+
+Introduced in stage 00. A stage's API is the set of public names its `starter.py` defines;
+`REFERENCE_API` maps the same names to the reference objects, so any of them can stand in for the
+others. It loads implementations and nothing more: running the tests is `nanoserve.check`'s job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import os
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+from nanoserve.stages import STAGES, Stage, get_stage
+
+IMPL_ENV_VAR = "NANOSERVE_IMPL"  # carries --impl to subprocesses and pytest-xdist workers
+DEFAULT_IMPL = "ref"
+
+# stage number -> {API name: "module:attribute" of the reference}; imported only when asked for.
+REFERENCE_API: dict[int, dict[str, str]] = {
+    0: {
+        "rms_norm": "nanoserve.layers.norm:rms_norm",
+        "rotate_half": "nanoserve.layers.rotary:rotate_half",
+        "rope_inv_freq": "nanoserve.layers.rotary:rope_inv_freq",
+        "rope_cos_sin": "nanoserve.layers.rotary:rope_cos_sin",
+        "apply_rotary": "nanoserve.layers.rotary:apply_rotary",
+        "attend": "nanoserve.kernels.attention:attend",
+        "swiglu": "nanoserve.models.decoder:swiglu",
+        "filter_probs": "nanoserve.sampling:filter_probs",
+        "sample": "nanoserve.grading:sample_one",
+    },
+    2: {
+        "OutOfBlocks": "nanoserve.cache.allocator:OutOfBlocks",
+        "BlockAllocator": "nanoserve.cache.allocator:BlockAllocator",
+    },
+    3: {
+        "BlockPosition": "nanoserve.cache.block_table:BlockPosition",
+        "BlockTable": "nanoserve.cache.block_table:BlockTable",
+    },
+}
+
+
+class ImplementationError(ImportError):
+    """An --impl value that cannot be loaded, or a module that lacks part of the stage API."""
+
+
+def sample_one(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float,
+    generator: torch.Generator | None,
+) -> int:
+    """One token id drawn from logits (V,) by the engine's own `Sampler` (stage 00's reference)."""
+    from nanoserve.sampling import Sampler, SamplingParams
+
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=1)
+    return Sampler()(logits[None, :], [params], [generator])[0]
+
+
+def repo_root() -> Path:
+    """The checkout that holds `stages/`: the package's own (editable install), else the cwd's."""
+    package_checkout = Path(__file__).resolve().parents[2]
+    for candidate in (package_checkout, Path.cwd(), *Path.cwd().parents):
+        if (candidate / "stages").is_dir():
+            return candidate
+    raise FileNotFoundError("no stages/ folder found: run from a nanoserve checkout")
+
+
+def stage_for_path(path: str | os.PathLike) -> Stage:
+    """The stage whose folder (stages/NN_slug) holds this file, by the manifest's stems."""
+    folder = Path(path).resolve().parent.name
+    for stage in STAGES:
+        if stage.stem == folder:
+            return stage
+    stems = ", ".join(s.stem for s in STAGES)
+    raise ValueError(f"{path} is not inside a stage folder (one of: {stems})")
+
+
+def api_names(stage_number: int) -> list[str]:
+    """The public names a stage's implementation must define."""
+    if stage_number not in REFERENCE_API:
+        stage = get_stage(stage_number)
+        raise ValueError(f"stage {stage_number} ({stage.stem}) has no graded learner API yet")
+    return list(REFERENCE_API[stage_number])
+
+
+def is_path_like(impl: str) -> bool:
+    """True when --impl names a file rather than `ref`, `starter` or a dotted module."""
+    return impl.endswith(".py") or "/" in impl or os.sep in impl
+
+
+def normalize_impl(impl: str | None, base: str | os.PathLike | None = None) -> str:
+    """`ref` when unset; a file path made absolute (so subprocesses agree); others unchanged."""
+    impl = (impl or DEFAULT_IMPL).strip()
+    if not is_path_like(impl):
+        return impl
+    path = Path(impl).expanduser()
+    if not path.is_absolute():
+        path = Path(base or Path.cwd()) / path
+    return str(path.resolve())
+
+
+def load_impl(stage_number: int, impl: str = DEFAULT_IMPL) -> types.SimpleNamespace:
+    """The stage API from `ref`, `starter`, a .py path or a dotted module, as a namespace."""
+    names = api_names(stage_number)
+    if impl == "ref":
+        return types.SimpleNamespace(**{n: _resolve(REFERENCE_API[stage_number][n]) for n in names})
+    if impl == "starter":
+        module = _module_from_file(repo_root() / get_stage(stage_number).starter)
+    elif is_path_like(impl):
+        module = _module_from_file(Path(normalize_impl(impl)))
+    else:
+        module = _import_module(impl)
+    missing = [n for n in names if not hasattr(module, n)]
+    if missing:
+        stage = get_stage(stage_number)
+        raise ImplementationError(
+            f"--impl {impl} does not define {', '.join(missing)}; stage {stage.stem} needs every "
+            f"name its starter defines ({', '.join(names)}). Copy {stage.starter} and fill it in."
+        )
+    return types.SimpleNamespace(**{n: getattr(module, n) for n in names})
+
+
+def _resolve(target: str):
+    module_name, _, attribute = target.partition(":")
+    return getattr(importlib.import_module(module_name), attribute)
+
+
+def _import_module(name: str) -> types.ModuleType:
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        raise ImplementationError(
+            f"--impl {name}: no module of that name (expected ref, starter, a path to a .py "
+            f"file, or an importable dotted module name)"
+        ) from err
+
+
+def _module_from_file(path: Path) -> types.ModuleType:
+    if not path.is_file():
+        raise ImplementationError(f"--impl {path}: no such file")
+    # A name unique to the path, so two stages' starter.py files never collide in sys.modules.
+    digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
+    name = f"nanoserve_impl_{path.stem}_{digest}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # before exec: dataclasses and pickling look the module up
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module

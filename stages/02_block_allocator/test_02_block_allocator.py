@@ -1,0 +1,156 @@
+"""Stage 02's graded contract: the block allocator's order, atomicity and guarded free.
+
+Run against any implementation with `pytest stages/02_block_allocator --impl ref|starter|yours.py`.
+The tests use only the public API (`num_blocks`, `num_free_blocks`, `allocate`, `free`); task 5
+proves the allocator equal to a plain model of the contract over random operation sequences.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+# derandomized: a learner sees the same examples on every run, so a grade never flickers
+GRADED = settings(
+    max_examples=150, deadline=None, derandomize=True, database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)  # fmt: skip
+
+
+# ---- task 1: a fresh pool ----
+
+
+def test_task_1_a_fresh_pool_hands_out_ids_in_ascending_order(impl):
+    allocator = impl.BlockAllocator(6)
+    assert allocator.allocate(3) == [0, 1, 2]
+    assert allocator.allocate(1) == [3]
+    assert allocator.allocate(2) == [4, 5]
+
+
+def test_task_1_num_free_blocks_counts_what_is_left(impl):
+    allocator = impl.BlockAllocator(8)
+    assert allocator.num_blocks == 8
+    assert allocator.num_free_blocks == 8
+    allocator.allocate(5)
+    assert allocator.num_free_blocks == 3
+    assert allocator.allocate(0) == []
+    assert allocator.num_free_blocks == 3
+
+
+# ---- task 2: all or nothing ----
+
+
+def test_task_2_asking_for_more_than_is_free_raises_out_of_blocks(impl):
+    allocator = impl.BlockAllocator(4)
+    allocator.allocate(3)
+    with pytest.raises(impl.OutOfBlocks):
+        allocator.allocate(2)
+
+
+def test_task_2_a_refused_allocation_changes_nothing(impl):
+    allocator = impl.BlockAllocator(4)
+    allocator.allocate(1)
+    with pytest.raises(impl.OutOfBlocks):
+        allocator.allocate(4)
+    assert allocator.num_free_blocks == 3
+    assert allocator.allocate(3) == [1, 2, 3], "a refused call must not have taken any id"
+
+
+def test_task_2_the_whole_pool_can_be_taken_and_then_nothing_more(impl):
+    allocator = impl.BlockAllocator(3)
+    assert sorted(allocator.allocate(3)) == [0, 1, 2]
+    assert allocator.num_free_blocks == 0
+    with pytest.raises(impl.OutOfBlocks):
+        allocator.allocate(1)
+
+
+# ---- task 3: LIFO reuse ----
+
+
+def test_task_3_the_last_id_freed_is_the_first_handed_out(impl):
+    allocator = impl.BlockAllocator(8)
+    allocator.allocate(5)  # [0, 1, 2, 3, 4]
+    allocator.free([3, 1])
+    assert allocator.allocate(1) == [1]
+    assert allocator.allocate(1) == [3]
+
+
+def test_task_3_reuse_after_a_free_scatters_the_next_request(impl):
+    # the seed's trace: A holds [0, 1] and frees them; B's three blocks come out as [1, 0, 2]
+    allocator = impl.BlockAllocator(8)
+    a_blocks = allocator.allocate(2)
+    assert a_blocks == [0, 1]
+    allocator.free(a_blocks)
+    assert allocator.num_free_blocks == 8
+    assert allocator.allocate(3) == [1, 0, 2]
+
+
+# ---- task 4: a guarded free ----
+
+
+def test_task_4_freeing_a_block_twice_raises_value_error(impl):
+    allocator = impl.BlockAllocator(4)
+    allocator.free(allocator.allocate(2))
+    with pytest.raises(ValueError):
+        allocator.free([0])
+
+
+@pytest.mark.parametrize(
+    "bad_ids",
+    [[3], [9], [-1], [0, 0]],
+    ids=["never-handed-out", "outside-the-pool", "negative", "twice-in-one-call"],
+)
+def test_task_4_a_rejected_free_raises_value_error_and_frees_nothing(impl, bad_ids):
+    allocator = impl.BlockAllocator(4)
+    held = allocator.allocate(2)  # [0, 1]
+    with pytest.raises(ValueError):
+        allocator.free([1, *bad_ids])
+    assert allocator.num_free_blocks == 2
+    allocator.free(held)  # both still count as handed out, so this is legal
+    assert allocator.num_free_blocks == 4
+
+
+# ---- task 5: equal to a plain model of the contract ----
+
+
+class PoolModel:
+    """The contract written as plainly as possible: a stack of free ids, a set of held ones."""
+
+    def __init__(self, num_blocks):
+        self.free_stack = list(range(num_blocks - 1, -1, -1))  # the top (end) is 0
+        self.held = set()
+
+    def allocate(self, n):
+        block_ids = [self.free_stack.pop() for _ in range(n)]
+        self.held.update(block_ids)
+        return block_ids
+
+    def free(self, block_ids):
+        self.held.difference_update(block_ids)
+        self.free_stack.extend(block_ids)
+
+
+@GRADED
+@given(num_blocks=st.integers(1, 10), data=st.data())
+def test_task_5_any_sequence_of_operations_matches_the_stack_model(impl, num_blocks, data):
+    allocator, model = impl.BlockAllocator(num_blocks), PoolModel(num_blocks)
+    for _ in range(data.draw(st.integers(1, 30), label="num_ops")):
+        if not model.held or data.draw(st.booleans(), label="allocate?"):
+            n = data.draw(st.integers(0, num_blocks + 1), label="n")
+            if n > len(model.free_stack):
+                with pytest.raises(impl.OutOfBlocks):
+                    allocator.allocate(n)
+            else:
+                assert allocator.allocate(n) == model.allocate(n)
+        else:
+            shuffled = data.draw(st.permutations(sorted(model.held)), label="held, shuffled")
+            block_ids = shuffled[: data.draw(st.integers(1, len(shuffled)), label="num_freed")]
+            allocator.free(block_ids)
+            model.free(block_ids)
+        assert allocator.num_free_blocks == len(model.free_stack)
+
+
+# ---- engine-level check (placeholder) ----
+# LEAD: once the stage-04 engine exists, add the graded test that plugs the learner's
+# BlockAllocator into the reference engine and asserts the same tokens as the reference.

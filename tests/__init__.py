@@ -1,0 +1,1 @@
+"""Cross-stage tests: HF parity, equivalence chain, scheduler, faults, harness self-tests."""
