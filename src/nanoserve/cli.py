@@ -71,7 +71,9 @@ def cmd_generate(args) -> int:
         prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in args.prompts]
     outputs = llm.generate(prompts, params)
     for question, out in zip(args.prompts, outputs):
-        print(f"> {question}\n{out.text.strip()}\n[{len(out.token_ids)} tokens, {out.finish_reason}]")
+        print(
+            f"> {question}\n{out.text.strip()}\n[{len(out.token_ids)} tokens, {out.finish_reason}]"
+        )
     return 0
 
 

@@ -63,9 +63,7 @@ class LLM:
         loaded = load_model(model, self.device, self.dtype)
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         model_config = self.model.config
-        engine_options.setdefault(
-            "max_model_len", min(model_config.max_position_embeddings, 4096)
-        )
+        engine_options.setdefault("max_model_len", min(model_config.max_position_embeddings, 4096))
         engine_options.setdefault(
             "max_num_batched_tokens", max(8192, engine_options["max_model_len"])
         )

@@ -275,9 +275,11 @@ def test_task_5_top_k_keeps_exactly_the_k_most_likely_tokens(impl):
     assert support_of(impl.filter_probs(probs, 1, 1.0)) == {1}
 
 
+TOP_P_CASES = [(0.4, {1}), (0.5, {1}), (0.7, {1, 3}), (0.75, {1, 3}), (0.8, {0, 1, 3})]
+
+
 @pytest.mark.parametrize(
-    ("top_p", "kept"),
-    [(0.4, {1}), (0.5, {1}), (0.7, {1, 3}), (0.75, {1, 3}), (0.8, {0, 1, 3})],
+    ("top_p", "kept"), [pytest.param(p, kept, id=f"p={p}") for p, kept in TOP_P_CASES]
 )
 def test_task_5_top_p_keeps_the_smallest_set_whose_mass_reaches_p(impl, top_p, kept):
     assert support_of(impl.filter_probs(DYADIC, None, top_p)) == kept

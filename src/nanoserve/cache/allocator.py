@@ -8,7 +8,7 @@ block table's job, stage 03).
 from __future__ import annotations
 
 
-class OutOfBlocks(Exception):  # noqa: N818 -- STYLE.md's agreed name, no Error suffix
+class OutOfBlocks(Exception):
     """Raised when a request asks for more blocks than are free; nothing was allocated."""
 
     def __init__(self, num_requested: int, num_free: int) -> None:

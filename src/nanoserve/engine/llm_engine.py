@@ -37,7 +37,9 @@ class LLMEngine:
         """Raise ValueError naming what is wrong with a prompt; queue nothing."""
         if len(prompt_token_ids) == 0:
             raise ValueError("prompt is empty; it needs at least one token")
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        bad = [
+            t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size
+        ]
         if bad:
             raise ValueError(
                 f"prompt has token id {bad[0]!r}; ids must be integers in [0, {self.vocab_size})"

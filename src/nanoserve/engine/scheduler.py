@@ -103,7 +103,7 @@ class Scheduler:
 
 
 def finish_reason(seq: Sequence, token_id: int, eos_ids, max_model_len: int) -> str | None:
-    """"stop" on an EOS or stop token, "length" at max_tokens or max_model_len, else None."""
+    """ "stop" on an EOS or stop token, "length" at max_tokens or max_model_len, else None."""
     params = seq.params
     if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_ids):
         return "stop"

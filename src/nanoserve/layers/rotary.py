@@ -1,8 +1,8 @@
 """Rotary position embedding (RoPE), with the Llama 3 frequency scaling.
 
 Introduced in stage 00. Angles are computed in float32 from integer positions, as Hugging Face
-and vLLM do, then cast to the model dtype; no cos/sin cache is kept: the model computes them once per forward, for
-the positions it is given, and every layer reuses them.
+and vLLM do, then cast to the model dtype. No cos/sin cache is kept: the model computes them once
+per forward, for the positions it is given, and every layer reuses them.
 """
 
 import math
@@ -56,7 +56,6 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.d
     freqs = positions.float()[:, None] * inv_freq.float()[None, :]  # (T, head_dim / 2)
     angles = torch.cat((freqs, freqs), dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
-
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

@@ -55,9 +55,8 @@ class ModelConfig:
         """Build from a Hugging Face `config.json` dict (llama, qwen2 or qwen3)."""
         model_type = d.get("model_type", "llama")
         if model_type not in ARCHITECTURES:
-            raise ValueError(
-                f"model_type {model_type!r} is not supported; expected one of {sorted(ARCHITECTURES)}"
-            )
+            supported = sorted(ARCHITECTURES)
+            raise ValueError(f"model_type {model_type!r} is not supported; expected one of {supported}")
         bias, qk_norm = ARCHITECTURES[model_type]
         num_heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")

