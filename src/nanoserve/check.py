@@ -1,4 +1,4 @@
-"""`nanoserve check NN --impl X`: run a stage's graded tests and report what passed, failed, skipped.
+"""`nanoserve check NN --impl X`: run a stage's graded tests; report passed, failed, skipped.
 
 Introduced in stage 00. The tests run in a pytest subprocess (a fresh import of the learner's
 code each time) with this module loaded as a plugin that records every test's outcome. A skip is
@@ -109,17 +109,16 @@ def run_test_file(
 def format_report(run: GradedRun) -> str:
     """A short, human report: passed, failed (with why), skipped (kept apart from passed)."""
     stage = get_stage(run.stage_number)
-    passed = run.with_outcome(Outcome.PASSED)
-    lines = [f"stage {stage.stem} ({stage.title}) --impl {run.impl}"]
-    lines.append(f"  passed   {len(passed)} of {len(run.results)}")
-    for outcome, note in (
-        (Outcome.FAILED, ""),
-        (Outcome.SKIPPED, "  (a skip is not a pass)"),
-        (Outcome.SKIPPED_NEEDS_GPU, "  (excused on a machine without a GPU)"),
+    lines = [f"stage {stage.stem} ({stage.title}), --impl {run.impl}"]
+    lines.append(f"  {'passed':<10}{len(run.with_outcome(Outcome.PASSED))} of {len(run.results)}")
+    for outcome, label, note in (
+        (Outcome.FAILED, "failed", ""),
+        (Outcome.SKIPPED, "skipped", "  (a skip is not a pass)"),
+        (Outcome.SKIPPED_NEEDS_GPU, "needs GPU", "  (skipped here for want of a GPU: excused)"),
     ):
         group = run.with_outcome(outcome)
         if group:
-            lines.append(f"  {outcome.value} {len(group)}{note}")
+            lines.append(f"  {label:<10}{len(group)}{note}")
             lines += [f"    - {r.behaviour}\n        {r.message}" for r in group]
     if not run.results or run.returncode not in (0, 1):
         tail = "\n".join(run.output.strip().splitlines()[-25:])

@@ -91,6 +91,18 @@ def api_names(stage_number: int) -> list[str]:
     return list(REFERENCE_API[stage_number])
 
 
+def starter_names(stage_number: int) -> list[str]:
+    """The public functions and classes that a stage's starter.py defines itself: its API."""
+    module = _module_from_file(repo_root() / get_stage(stage_number).starter)
+    return [
+        name
+        for name, value in vars(module).items()
+        if not name.startswith("_")
+        and isinstance(value, (type, types.FunctionType))
+        and value.__module__ == module.__name__
+    ]
+
+
 def is_path_like(impl: str) -> bool:
     """True when --impl names a file rather than `ref`, `starter` or a dotted module."""
     return impl.endswith(".py") or "/" in impl or os.sep in impl

@@ -56,7 +56,12 @@ class LLM:
     """A model plus the engine of one stage."""
 
     def __init__(self, model: str = DEFAULT_MODEL, stage: int | None = None, device=None,
-                 dtype=None, **engine_options):  # fmt: skip
+                 dtype=None, components: dict | None = None, **engine_options):  # fmt: skip
+        """Load `model` and build the engine as of `stage` (default: the newest).
+
+        `components` replaces pieces of the stage's reference with your own, by their API names
+        (e.g. {"BlockTable": MyBlockTable}); `engine_options` are `EngineConfig` fields.
+        """
         self.stage = latest_stage() if stage is None else require_implemented(stage)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -68,7 +73,9 @@ class LLM:
             "max_num_batched_tokens", max(8192, engine_options["max_model_len"])
         )
         self.config = EngineConfig(**engine_options)
-        self.engine = build_engine(self.stage.number, self.config, self.model, self.eos_ids())
+        self.engine = build_engine(
+            self.stage.number, self.config, self.model, self.eos_ids(), components
+        )
 
     def eos_ids(self) -> set[int]:
         """Token ids that end a completion: the config's and the tokenizer's EOS."""

@@ -57,6 +57,12 @@ class Stage:
         return f"notebooks/{self.stem}.py" if self.has_notebook else None
 
     @property
+    def oracle_stage(self) -> int | None:
+        """The earlier stage whose tokens this one must reproduce, if it is proven by tokens."""
+        words = self.proven_equal_to.split()
+        return int(words[1]) if words[0] == "stage" else None
+
+    @property
     def is_implemented(self) -> bool:
         """True when the reference code exists and `LLM(stage=number)` works."""
         return self.status is StageStatus.IMPLEMENTED
@@ -73,7 +79,7 @@ STAGES: tuple[Stage, ...] = (
           False, _I),
     Stage(1, "01_contiguous_cache", "Contiguous KV cache",
           "one K/V slab per sequence, sized for max_model_len", "stage 00",
-          ("cache/contiguous.py",), False, _P),
+          ("cache/contiguous.py", "cache/budget.py"), False, _I),
     Stage(2, "02_block_allocator", "Block allocator",
           "a pool of fixed-size block ids: LIFO free list, all-or-nothing allocation",
           "a set-based model (property test)", ("cache/allocator.py",), False, _P),

@@ -7,6 +7,7 @@ Hugging Face transformers' own Llama code; no test looks at how an implementatio
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -42,7 +43,7 @@ def attention_oracle(q, k, v, scale):
 
 
 def chi_square_survival(x, dof):
-    """P(X >= x) for X ~ chi-square(dof): Q(k + 2) = Q(k) + (x/2)^(k/2) e^(-x/2) / Gamma(k/2 + 1)."""
+    """P(X >= x), X ~ chi-square(dof): Q(k + 2) = Q(k) + (x/2)^(k/2) e^(-x/2) / Gamma(k/2 + 1)."""
     q, k = (math.erfc(math.sqrt(x / 2)), 1) if dof % 2 else (math.exp(-x / 2), 2)
     while k < dof:
         q += math.exp((k / 2) * math.log(x / 2) - x / 2 - math.lgamma(k / 2 + 1)) if x else 0.0
@@ -368,7 +369,7 @@ def forward_with(impl, hf_model, input_ids, positions, cu_seqlens):
         k = F.linear(h, attn.k_proj.weight).view(num_tokens, -1, head_dim)
         v = F.linear(h, attn.v_proj.weight).view(num_tokens, -1, head_dim)
         q, k = impl.apply_rotary(q, k, cos, sin)
-        bounds = zip(cu_seqlens[:-1], cu_seqlens[1:])  # each sequence attends only to itself
+        bounds = itertools.pairwise(cu_seqlens)  # each sequence attends only to itself
         out = torch.cat([impl.attend(q[s:e], k[s:e], v[s:e], head_dim**-0.5) for s, e in bounds])
         x = x + F.linear(out.reshape(num_tokens, -1), attn.o_proj.weight)
         h = impl.rms_norm(x, layer.post_attention_layernorm.weight, eps)
@@ -378,9 +379,7 @@ def forward_with(impl, hf_model, input_ids, positions, cu_seqlens):
 
 
 @torch.no_grad()
-def test_task_7_assembled_pieces_reproduce_hugging_face_logits_for_packed_prompts(
-    impl, tiny_llama
-):
+def test_task_7_assembled_pieces_reproduce_hugging_face_logits_for_packed_prompts(impl, tiny_llama):
     prompts = [[5, 17, 200], [42, 7]]  # packed: cu_seqlens [0, 3, 5], positions [0, 1, 2, 0, 1]
     input_ids = torch.tensor(prompts[0] + prompts[1])
     positions = torch.tensor([0, 1, 2, 0, 1])
@@ -391,9 +390,7 @@ def test_task_7_assembled_pieces_reproduce_hugging_face_logits_for_packed_prompt
 
 
 @torch.no_grad()
-def test_task_7_greedy_generation_that_recomputes_everything_matches_hugging_face(
-    impl, tiny_llama
-):
+def test_task_7_greedy_generation_that_recomputes_everything_matches_hugging_face(impl, tiny_llama):
     prompt = [5, 17, 200, 3]
     tokens = list(prompt)
     for _ in range(8):  # no KV cache: every step feeds the whole sequence again

@@ -2,12 +2,16 @@
 
 Introduced in stage 00; each stage adds one entry. `build_engine(stage=N)` is how `LLM(stage=N)`
 gets "the engine as of stage N", so the equivalence chain between stages is a plain test.
+`components` swaps in a learner's implementation of a stage's pieces (by their API names); the
+rest of the engine stays the reference.
 """
 
 from __future__ import annotations
 
 import torch
 
+from nanoserve.cache import contiguous
+from nanoserve.cache.budget import kv_budget_bytes, kv_bytes_per_token
 from nanoserve.cache.no_cache import NoCache, NoCacheManager
 from nanoserve.config import EngineConfig
 from nanoserve.engine.llm_engine import LLMEngine
@@ -15,19 +19,49 @@ from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.stages import require_implemented
 
 
-def build_no_cache(config: EngineConfig, model, device: torch.device):
+def build_no_cache(config: EngineConfig, model, device: torch.device, components: dict):
     """Stage 00: nothing stored; every step recomputes every token."""
     return NoCacheManager(), NoCache(device)
 
 
+def num_slabs_for(config: EngineConfig, model, device: torch.device) -> int:
+    """Slabs that fit the KV budget (at most max_num_seqs), unless config names a number."""
+    if config.num_slabs is not None:
+        return config.num_slabs
+    slab_bytes = config.max_model_len * kv_bytes_per_token(model.config, model.dtype)
+    fits = kv_budget_bytes(config, device) // slab_bytes
+    if fits < 1:
+        raise ValueError(
+            f"one slab of max_model_len={config.max_model_len} tokens needs {slab_bytes} bytes, "
+            "more than the KV budget; lower max_model_len or raise kv_cache_bytes"
+        )
+    return min(config.max_num_seqs, fits)
+
+
+def build_contiguous(config: EngineConfig, model, device: torch.device, components: dict):
+    """Stages 01-02: one worst-case slab per running sequence."""
+    num_slabs = num_slabs_for(config, model, device)
+    manager = components.get("SlabManager", contiguous.SlabManager)(num_slabs)
+    mc = model.config
+    cache = contiguous.ContiguousKVCache(
+        num_slabs, mc.num_hidden_layers, config.max_model_len, mc.num_key_value_heads,
+        mc.head_dim, model.dtype, device,
+        store=components.get("store_slab", contiguous.store_slab),
+        load=components.get("load_slab", contiguous.load_slab),
+    )  # fmt: skip
+    return manager, cache
+
+
 STAGE_BUILDERS = {
     0: build_no_cache,
+    1: build_contiguous,
+    2: build_contiguous,  # the allocator is a component; stage 03 wires it into the engine
 }
 
 
-def build_engine(stage: int, config: EngineConfig, model, eos_ids) -> LLMEngine:
+def build_engine(stage: int, config: EngineConfig, model, eos_ids, components=None) -> LLMEngine:
     """The engine as of `stage`: the shared loop plus that stage's manager and cache."""
     require_implemented(stage)
     device = next(model.parameters()).device
-    manager, cache = STAGE_BUILDERS[stage](config, model, device)
+    manager, cache = STAGE_BUILDERS[stage](config, model, device, dict(components or {}))
     return LLMEngine(config, ModelRunner(model, cache), manager, eos_ids)

@@ -32,13 +32,23 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None = None):
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta)
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
         rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-        if rope_type == "llama3":
-            inv_freq = llama3_inv_freq(inv_freq, scaling)
-        elif rope_type != "default":
+        if rope_type not in ("default", "llama3"):
             raise ValueError(f"rope_scaling type {rope_type!r} is not supported (default, llama3)")
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rope_type = rope_type
+        self.register_buffer("inv_freq", self._compute_inv_freq(), persistent=False)
+
+    def _compute_inv_freq(self) -> torch.Tensor:
+        inv_freq = rope_inv_freq(self.head_dim, self.theta)
+        if self.rope_type == "llama3":
+            inv_freq = llama3_inv_freq(inv_freq, self.scaling)
+        return inv_freq
+
+    def reset_inv_freq(self) -> None:
+        """Recompute the angle table in place (after `to_empty`, which leaves it garbage)."""
+        with torch.no_grad():
+            self.inv_freq.copy_(self._compute_inv_freq())
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos and sin of every angle, each (num_tokens, head_dim)."""

@@ -56,7 +56,9 @@ class ModelConfig:
         model_type = d.get("model_type", "llama")
         if model_type not in ARCHITECTURES:
             supported = sorted(ARCHITECTURES)
-            raise ValueError(f"model_type {model_type!r} is not supported; expected one of {supported}")
+            raise ValueError(
+                f"model_type {model_type!r} is not supported; expected one of {supported}"
+            )
         bias, qk_norm = ARCHITECTURES[model_type]
         num_heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")

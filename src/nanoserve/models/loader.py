@@ -7,11 +7,14 @@ not) or a GGUF file (`models/gguf.py`), or a known name from the registry. It ne
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.decoder import CausalLM
@@ -45,9 +48,7 @@ def load_model(model: str | Path, device: torch.device, dtype: torch.dtype) -> L
     if path.is_dir():
         hf_config, state_dict, tokenizer = read_hf_folder(path)
     elif path.suffix == ".gguf":
-        from nanoserve.models.gguf import read_gguf  # lazy: `gguf` is only needed here
-
-        hf_config, state_dict, tokenizer = read_gguf(path)
+        hf_config, state_dict, tokenizer = read_hf_folder(converted_gguf(path))
     else:
         raise ValueError(
             f"model path {str(path)!r} is not a .gguf file or a folder with config.json "
@@ -72,6 +73,37 @@ def read_hf_folder(folder: Path) -> tuple[dict, dict[str, torch.Tensor], Any]:
     return json.loads(config_file.read_text()), state_dict, read_tokenizer(folder)
 
 
+def cache_root() -> Path:
+    """Where converted checkpoints are kept: $NANOSERVE_CACHE, else ~/.cache/nanoserve."""
+    return Path(os.environ.get("NANOSERVE_CACHE", Path.home() / ".cache" / "nanoserve"))
+
+
+def converted_gguf(path: Path) -> Path:
+    """A safetensors folder holding the GGUF's dequantized weights, converted on first use.
+
+    Dequantizing and building the tokenizer takes seconds; reading safetensors takes a fraction
+    of one. The folder name carries the file's size and mtime, so a changed file converts again.
+    """
+    stat = path.stat()
+    folder = cache_root() / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    if (folder / "config.json").is_file():
+        return folder
+    from nanoserve.models.gguf import read_gguf  # lazy: `gguf` is only needed here
+
+    checkpoint = read_gguf(path)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".converting-"))
+    save_file({k: v.contiguous() for k, v in checkpoint.state_dict.items()},
+              staging / "model.safetensors")  # fmt: skip
+    checkpoint.tokenizer.save_pretrained(staging)
+    (staging / "config.json").write_text(json.dumps(checkpoint.config, indent=2))
+    try:
+        staging.rename(folder)  # atomic: a concurrent loader sees all of it or none
+    except OSError:  # another process finished first
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
 def read_tokenizer(folder: Path):
     """The folder's tokenizer, or None when it has no tokenizer files."""
     if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
@@ -88,9 +120,15 @@ def build_model(
     dtype: torch.dtype,
 ) -> CausalLM:
     """A CausalLM on device in dtype, filled from state_dict (random init when it is None)."""
-    with torch.device(device):
-        model = CausalLM(config)
-    if state_dict is not None:
+    if state_dict is None:
+        with torch.device(device):
+            model = CausalLM(config)
+    else:  # skip the random init that the checkpoint would overwrite anyway
+        with torch.device("meta"):
+            model = CausalLM(config)
+        model.to_empty(device=device)
+        model.tie_weights()  # to_empty makes new tensors, which unties shared ones
+        model.model.rotary.reset_inv_freq()  # a computed buffer: no checkpoint holds it
         load_weights(model, state_dict)
     return model.to(dtype=dtype).eval()
 

@@ -1,0 +1,183 @@
+"""Harness self-tests: the graded stage files have teeth, and the grading machinery reports truly.
+
+Every implemented stage with a stage folder must pass all its graded tests against the reference
+and fail every one of them against its untouched starter. Set NANOSERVE_HARNESS_STAGES=2,3 to
+run the graded-file checks for exactly those stages (e.g. before flipping them to implemented).
+"""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from nanoserve import check, grading
+from nanoserve.check import GradedRun, Outcome, TestResult
+from nanoserve.stages import get_stage, implemented_stages
+
+ROOT = grading.repo_root()
+HARNESS_STAGES_ENV = "NANOSERVE_HARNESS_STAGES"
+IMPLS = ("ref", "starter")
+
+
+def graded_stages():
+    """The stages whose graded files are checked: implemented ones with a folder, or the env's."""
+    chosen = os.environ.get(HARNESS_STAGES_ENV, "").strip()
+    if chosen:
+        return [get_stage(int(n)) for n in chosen.split(",")]
+    return [s for s in implemented_stages() if (ROOT / "stages" / s.stem).is_dir()]
+
+
+GRADED = pytest.mark.parametrize("stage", graded_stages(), ids=lambda s: s.stem)
+
+
+def graded_runs(stage_number: int) -> dict[str, GradedRun]:
+    """The stage's graded file run against ref and starter, both subprocesses at once."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {impl: pool.submit(check.run_graded, stage_number, impl) for impl in IMPLS}
+    return {impl: future.result() for impl, future in futures.items()}
+
+
+def describe(results) -> str:
+    return "\n".join(f"{r.outcome.value}: {r.nodeid}: {r.message}" for r in results)
+
+
+# ---- the graded files have teeth ----
+
+
+@GRADED
+def test_every_graded_test_passes_on_the_reference_and_fails_on_the_starter(stage):
+    runs = graded_runs(stage.number)
+    ref, starter = runs["ref"], runs["starter"]
+    assert ref.results, f"no graded test ran:\n{ref.output[-3000:]}"
+    excused = (Outcome.PASSED, Outcome.SKIPPED_NEEDS_GPU)
+    assert describe(r for r in ref.results if r.outcome not in excused) == "", "fail on ref"
+    assert ref.is_success, ref.output[-3000:]
+    # teeth: the untouched starter reaches every test and fails each for want of an implementation
+    assert len(starter.results) == len(ref.results), "the starter run must reach every test"
+    assert describe(starter.with_outcome(Outcome.PASSED)) == "", "these pass on the starter"
+    assert describe(starter.with_outcome(Outcome.SKIPPED)) == "", "these skip on the starter"
+    failed = starter.with_outcome(Outcome.FAILED)
+    assert describe(r for r in failed if "NotImplementedError" not in r.message) == ""
+
+
+@GRADED
+def test_each_starter_defines_exactly_the_reference_api(stage):
+    assert grading.starter_names(stage.number) == grading.api_names(stage.number)
+
+
+@pytest.mark.parametrize("stage", implemented_stages(), ids=lambda s: s.stem)
+def test_every_path_the_manifest_names_for_an_implemented_stage_exists(stage):
+    paths = [stage.lesson, stage.starter, stage.test_file, stage.docs_page]
+    paths += [stage.notebook] if stage.has_notebook else []
+    assert [p for p in paths if not (ROOT / p).is_file()] == []
+
+
+# ---- loading an implementation ----
+
+
+def test_reference_and_starter_load_the_same_names():
+    ref, starter = grading.load_impl(2, "ref"), grading.load_impl(2, "starter")
+    assert sorted(vars(ref)) == sorted(vars(starter)) == ["BlockAllocator", "OutOfBlocks"]
+    assert ref.BlockAllocator.__module__ == "nanoserve.cache.allocator"
+
+
+def test_a_learner_file_is_loaded_by_path_relative_or_absolute(tmp_path, monkeypatch):
+    mine = tmp_path / "mine.py"
+    mine.write_text("from nanoserve.cache.allocator import BlockAllocator, OutOfBlocks\n")
+    monkeypatch.chdir(tmp_path)
+    assert grading.normalize_impl("mine.py") == str(mine.resolve())
+    assert grading.load_impl(2, "mine.py").BlockAllocator(3).allocate(2) == [0, 1]
+    assert grading.load_impl(2, str(mine)).OutOfBlocks.__name__ == "OutOfBlocks"
+
+
+def test_a_module_missing_part_of_the_api_is_refused_with_the_missing_names():
+    with pytest.raises(grading.ImplementationError, match=r"does not define rotate_half, "):
+        grading.load_impl(0, "nanoserve.layers.norm")
+
+
+@pytest.mark.parametrize("impl", ["no_such_module_anywhere", "missing/file.py"])
+def test_an_impl_that_does_not_exist_is_refused_clearly(impl):
+    with pytest.raises(grading.ImplementationError, match="--impl"):
+        grading.load_impl(2, impl)
+
+
+def test_a_test_file_finds_its_stage_from_its_folder():
+    assert grading.stage_for_path(ROOT / "stages/03_block_table/test_03_block_table.py").number == 3
+    with pytest.raises(ValueError, match="not inside a stage folder"):
+        grading.stage_for_path(ROOT / "tests/test_harness.py")
+
+
+# ---- reporting: a skip is never a pass ----
+
+
+def fake_run(*results: TestResult, returncode: int = 0) -> GradedRun:
+    return GradedRun(0, "ref", results, returncode, output="")
+
+
+def test_a_test_skipped_for_want_of_a_gpu_is_excused_and_reported_apart():
+    run = fake_run(
+        TestResult("f.py::test_task_1_a", Outcome.PASSED),
+        TestResult("f.py::test_task_2_b", Outcome.SKIPPED_NEEDS_GPU, "needs a CUDA GPU"),
+    )
+    assert run.is_success
+    assert "needs GPU 1" in check.format_report(run)
+
+
+def test_any_other_skip_fails_the_check_and_shows_its_reason():
+    run = fake_run(
+        TestResult("f.py::test_task_1_a", Outcome.PASSED),
+        TestResult("f.py::test_task_2_b", Outcome.SKIPPED, "hypothesis is not installed"),
+    )
+    report = check.format_report(run)
+    assert not run.is_success
+    assert "a skip is not a pass" in report and "hypothesis is not installed" in report
+    assert "NOT PASSED" in report
+
+
+def test_a_failure_is_reported_as_a_behaviour_sentence_with_its_message():
+    failed = TestResult("f.py::test_task_3_append_is_atomic[bs=4]", Outcome.FAILED, "assert 1 == 2")
+    assert failed.behaviour == "task 3: append is atomic [bs=4]"
+    report = check.format_report(fake_run(failed, returncode=1))
+    assert "task 3: append is atomic [bs=4]\n        assert 1 == 2" in report
+
+
+def test_a_run_where_no_test_ran_is_not_a_pass():
+    assert not fake_run(returncode=5).is_success
+
+
+def test_the_plugin_records_pass_fail_skip_and_gpu_skip_from_a_real_pytest_run(tmp_path):
+    test_file = tmp_path / "test_sample.py"
+    test_file.write_text(
+        textwrap.dedent(
+            """
+            import pytest
+
+            def test_task_1_passes():
+                pass
+
+            def test_task_2_fails():
+                assert 1 == 2, "one is not two"
+
+            @pytest.mark.skip(reason="not today")
+            def test_task_3_skips():
+                pass
+
+            @pytest.mark.gpu
+            @pytest.mark.skip(reason="needs a CUDA GPU")
+            def test_task_4_needs_a_gpu():
+                pass
+            """
+        )
+    )
+    results, returncode, _ = check.run_test_file(test_file, "ref", cwd=tmp_path)
+    outcomes = {r.behaviour: (r.outcome, r.message) for r in results}
+    assert returncode == 1
+    assert outcomes == {
+        "task 1: passes": (Outcome.PASSED, ""),
+        "task 2: fails": (Outcome.FAILED, "AssertionError: one is not two"),
+        "task 3: skips": (Outcome.SKIPPED, "not today"),
+        "task 4: needs a gpu": (Outcome.SKIPPED_NEEDS_GPU, "needs a CUDA GPU"),
+    }
