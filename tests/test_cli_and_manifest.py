@@ -30,7 +30,7 @@ def test_default_llm_stage_is_the_newest_implemented(tiny_checkpoints):
 
 
 def test_get_stage_rejects_numbers_outside_the_manifest():
-    with pytest.raises(ValueError, match="0..9"):
+    with pytest.raises(ValueError, match=r"0\.\.9"):
         get_stage(10)
 
 
