@@ -88,9 +88,9 @@ class LLM:
         """Complete every prompt; outputs come back in the order of the prompts."""
         texts, prompt_ids = self._tokenize_all(prompts)
         params = self._params_per_prompt(sampling_params, len(prompt_ids))
-        for i, ids in enumerate(prompt_ids):  # check all first, so a bad prompt queues nothing
+        for i, (ids, p) in enumerate(zip(prompt_ids, params)):  # check all before queueing any
             try:
-                self.engine.check_prompt(ids)
+                self.engine.check_request(ids, p)
             except ValueError as err:
                 raise ValueError(f"prompts[{i}]: {err}") from None
         seqs = [self.engine.add_request(ids, p) for ids, p in zip(prompt_ids, params)]

@@ -82,10 +82,11 @@ STAGES: tuple[Stage, ...] = (
           ("cache/contiguous.py", "cache/budget.py"), False, _I),
     Stage(2, "02_block_allocator", "Block allocator",
           "a pool of fixed-size block ids: LIFO free list, all-or-nothing allocation",
-          "a set-based model (property test)", ("cache/allocator.py",), False, _P),
+          "a set-based model (property test)", ("cache/allocator.py",), False, _I),
     Stage(3, "03_block_table", "Block table",
           "logical position -> (block, offset) -> flat slot; lazy growth",
-          "bulk allocation (decode growth == prefill)", ("cache/block_table.py",), False, _P,
+          "bulk allocation (decode growth == prefill)",
+          ("cache/block_table.py", "cache/slot_cache.py"), False, _I,
           has_notebook=True),
     Stage(4, "04_paged_pool", "Paged KV pool",
           "one pool tensor, slot-mapped writes, block-table reads, a block scheduler with "

@@ -36,6 +36,9 @@ class SlabManager:
         """Slabs no sequence owns."""
         return len(self.free_slab_ids)
 
+    def check_fits(self, num_prompt_tokens: int, params) -> None:
+        """Every request fits: a slab holds max_model_len tokens, the engine's own limit."""
+
     def can_allocate(self, seq: Sequence) -> bool:
         """True when a slab is free."""
         return self.num_free_slabs > 0

@@ -17,6 +17,9 @@ from nanoserve.kernels.attention import NoCacheAttention
 class NoCacheManager:
     """Memory never limits admission: only `max_num_seqs` bounds the batch."""
 
+    def check_fits(self, num_prompt_tokens: int, params) -> None:
+        """Every request fits: nothing is stored."""
+
     def can_allocate(self, seq: Sequence) -> bool:
         return True
 

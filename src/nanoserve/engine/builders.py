@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from nanoserve.cache import contiguous
+from nanoserve.cache.slot_cache import SlotKVCache, build_table_manager
 from nanoserve.cache.budget import kv_budget_bytes, kv_bytes_per_token
 from nanoserve.cache.no_cache import NoCache, NoCacheManager
 from nanoserve.config import EngineConfig
@@ -52,10 +53,32 @@ def build_contiguous(config: EngineConfig, model, device: torch.device, componen
     return manager, cache
 
 
+def num_blocks_for(config: EngineConfig, model, device: torch.device) -> int:
+    """KV blocks that fit the budget, unless config names a number."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    block_bytes = config.block_size * kv_bytes_per_token(model.config, model.dtype)
+    num_blocks = kv_budget_bytes(config, device) // block_bytes
+    if num_blocks < 1:
+        raise ValueError(f"the KV budget holds no block of {block_bytes} bytes; raise it")
+    return num_blocks
+
+
+def build_block_tables(config: EngineConfig, model, device: torch.device, components: dict):
+    """Stage 03: block tables over an allocator; K/V at flat slots; worst case reserved."""
+    num_blocks = num_blocks_for(config, model, device)
+    manager = build_table_manager(config, num_blocks, components)
+    mc = model.config
+    cache = SlotKVCache(manager, num_blocks, mc.num_hidden_layers, mc.num_key_value_heads,
+                        mc.head_dim, model.dtype, device)  # fmt: skip
+    return manager, cache
+
+
 STAGE_BUILDERS = {
     0: build_no_cache,
     1: build_contiguous,
     2: build_contiguous,  # the allocator is a component; stage 03 wires it into the engine
+    3: build_block_tables,
 }
 
 

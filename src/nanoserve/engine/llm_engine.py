@@ -28,13 +28,13 @@ class LLMEngine:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         """Validate and queue one request; raises ValueError and queues nothing if it is bad."""
-        self.check_prompt(prompt_token_ids)
+        self.check_request(prompt_token_ids, params)
         seq = Sequence(prompt_token_ids, params, device=self.runner.device)
         self.scheduler.add(seq)
         return seq
 
-    def check_prompt(self, prompt_token_ids: list[int]) -> None:
-        """Raise ValueError naming what is wrong with a prompt; queue nothing."""
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming what is wrong with a request; queue nothing."""
         if len(prompt_token_ids) == 0:
             raise ValueError("prompt is empty; it needs at least one token")
         bad = [
@@ -49,6 +49,7 @@ class LLMEngine:
                 f"prompt has {len(prompt_token_ids)} tokens; max_model_len is "
                 f"{self.config.max_model_len}, which must leave room for one generated token"
             )
+        self.manager.check_fits(len(prompt_token_ids), params)
 
     def step(self) -> list[Sequence]:
         """Run one batch; returns the sequences that finished in it."""
