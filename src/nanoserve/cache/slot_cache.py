@@ -69,7 +69,7 @@ class TableManager:
         return True
 
     def may_append(self, seq: Sequence) -> None:
-        """Grow seq's table by the token this decode step writes (a new block only at a boundary)."""
+        """Grow seq's table by the token this decode step writes (a block only at a boundary)."""
         table = self.tables[seq.seq_id]
         num_blocks_before = table.num_blocks
         table.append(len(seq) - table.num_tokens)
@@ -115,7 +115,7 @@ class SlotKVCache:
             positions=torch.tensor(positions, device=self.device),
             attn=SlotAttention(
                 self.kv, torch.tensor(write_slots, device=self.device), read_slots, cu_seqlens_q
-            ),  # fmt: skip
+            ),
             logits_indices=torch.tensor(cu_seqlens_q[1:], device=self.device) - 1,
         )
 
