@@ -119,12 +119,23 @@ def format_report(run: GradedRun) -> str:
         group = run.with_outcome(outcome)
         if group:
             lines.append(f"  {label:<10}{len(group)}{note}")
-            lines += [f"    - {r.behaviour}\n        {r.message}" for r in group]
+            lines += _listed(group)
     if not run.results or run.returncode not in (0, 1):
         tail = "\n".join(run.output.strip().splitlines()[-25:])
         lines.append(f"  pytest exited with status {run.returncode}; its last lines:\n{tail}")
     lines.append("  OK: every graded test passed" if run.is_success else "  NOT PASSED")
     return "\n".join(lines)
+
+
+def _listed(results: list[TestResult]) -> list[str]:
+    """One line per test, each followed by its message unless it repeats the one just shown."""
+    lines, last_message = [], None
+    for result in results:
+        lines.append(f"    - {result.behaviour}")
+        if result.message != last_message:
+            lines.append(f"        {result.message}")
+            last_message = result.message
+    return lines
 
 
 def run_check(stage: int, impl: str = "ref", keyword: str | None = None) -> int:

@@ -149,10 +149,14 @@ def _import_module(name: str) -> types.ModuleType:
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as err:
+        if err.name != name.split(".")[0] and err.name != name:
+            raise ImplementationError(f"--impl {name} failed to import: {err}") from err
         raise ImplementationError(
             f"--impl {name}: no module of that name (expected ref, starter, a path to a .py "
             f"file, or an importable dotted module name)"
         ) from err
+    except Exception as err:
+        raise ImplementationError(f"--impl {name} failed to import: {_one_line(err)}") from err
 
 
 def _module_from_file(path: Path) -> types.ModuleType:
@@ -168,7 +172,11 @@ def _module_from_file(path: Path) -> types.ModuleType:
     sys.modules[name] = module  # before exec: dataclasses and pickling look the module up
     try:
         spec.loader.exec_module(module)
-    except BaseException:
+    except Exception as err:
         del sys.modules[name]
-        raise
+        raise ImplementationError(f"--impl {path} failed to import: {_one_line(err)}") from err
     return module
+
+
+def _one_line(err: Exception) -> str:
+    return f"{type(err).__name__}: {err}".splitlines()[0]

@@ -91,7 +91,8 @@ STAGES: tuple[Stage, ...] = (
     Stage(4, "04_paged_pool", "Paged KV pool",
           "one pool tensor, slot-mapped writes, block-table reads, a block scheduler with "
           "continuous batching and preemption", "stage 01",
-          ("cache/paged.py", "engine/block_manager.py"), False, _P, has_notebook=True),
+          ("cache/paged.py", "cache/attention_metadata.py", "engine/block_manager.py"), False,
+          _I, has_notebook=True),
     Stage(5, "05_triton_store", "Triton store kernel",
           "a Triton store_kvcache kernel writes K/V into slots", "stage 04 (pool bytes identical)",
           ("kernels/store.py",), False, _P),

@@ -13,8 +13,10 @@ import torch
 from nanoserve.cache import contiguous
 from nanoserve.cache.budget import kv_budget_bytes, kv_bytes_per_token
 from nanoserve.cache.no_cache import NoCache, NoCacheManager
+from nanoserve.cache.paged import PagedKVPool, gather_kv, store_kvcache
 from nanoserve.cache.slot_cache import SlotKVCache, build_table_manager
 from nanoserve.config import EngineConfig
+from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.stages import require_implemented
@@ -74,11 +76,27 @@ def build_block_tables(config: EngineConfig, model, device: torch.device, compon
     return manager, cache
 
 
+def build_paged(config: EngineConfig, model, device: torch.device, components: dict):
+    """Stage 04: one pool tensor, lazy block growth, preemption when the pool runs dry."""
+    num_blocks = num_blocks_for(config, model, device)
+    manager_cls = components.get("BlockManager", BlockManager)
+    manager = manager_cls(num_blocks, config.block_size)
+    mc = model.config
+    pool = PagedKVPool(
+        num_blocks, config.block_size, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
+        model.dtype, device,
+        store=components.get("store_kvcache", store_kvcache),
+        gather=components.get("gather_kv", gather_kv),
+    )  # fmt: skip
+    return manager, pool
+
+
 STAGE_BUILDERS = {
     0: build_no_cache,
     1: build_contiguous,
     2: build_contiguous,  # the allocator is a component; stage 03 wires it into the engine
     3: build_block_tables,
+    4: build_paged,
 }
 
 

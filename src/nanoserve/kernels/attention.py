@@ -16,18 +16,45 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
     q (Tq, H, D), k and v (Tk, H_kv, D) with Tq <= Tk: query i sits at position Tk - Tq + i and
     sees keys 0 ..= Tk - Tq + i. Returns (Tq, H, D).
     """
-    num_q, num_heads, _ = q.shape
-    num_k, num_kv_heads, _ = k.shape
-    group = num_heads // num_kv_heads  # grouped-query attention: H/H_kv query heads per kv head
-    k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # (H, Tk, D)
-    v = v.repeat_interleave(group, dim=1).transpose(0, 1)  # (H, Tk, D)
-    scores = torch.matmul(q.transpose(0, 1), k.transpose(1, 2)) * scale  # (H, Tq, Tk)
+    num_q, num_k = q.shape[0], k.shape[0]
+    mask = None
     if num_q > 1:
         q_pos = torch.arange(num_k - num_q, num_k, device=q.device)[:, None]
-        k_pos = torch.arange(num_k, device=q.device)[None, :]
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        mask = torch.arange(num_k, device=q.device)[None, :] > q_pos  # (Tq, Tk): True = hidden
+        mask = mask[None]  # a batch of one
+    q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))  # (1, heads, T, D)
+    return grouped_attention(q, k, v, scale, mask)[0].transpose(0, 1)
+
+
+def attend_decode_padded(q, k, v, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per sequence, at its last position, over its padded history.
+
+    q (B, H, D); k and v (B, S, H_kv, D) where row b is valid for its first context_lens[b]
+    positions and padding after. Returns (B, H, D).
+    """
+    pad = torch.arange(k.shape[1], device=q.device)[None, :] >= context_lens[:, None]  # (B, S)
+    out = grouped_attention(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), scale,
+                            pad[:, None, :])  # fmt: skip
+    return out[:, :, 0, :]
+
+
+def grouped_attention(q, k, v, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
+    """softmax(q k^T * scale, masked) v with H / H_kv query heads sharing each kv head.
+
+    q (B, H, Tq, D); k, v (B, H_kv, Tk, D); mask broadcastable to (B, Tq, Tk), True = hidden.
+    Query head h uses kv head h // (H / H_kv), so no kv head is ever copied.
+    """
+    batch, num_heads, num_q, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    q = q.reshape(batch, num_kv_heads, group * num_q, head_dim)  # heads of a group side by side
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, H_kv, G * Tq, Tk)
+    scores = scores.view(batch, num_kv_heads, group, num_q, -1)
+    if mask is not None:
+        scores = scores.masked_fill(mask[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=reduction_dtype(q.dtype)).to(q.dtype)
-    return torch.matmul(probs, v).transpose(0, 1)  # (Tq, H, D)
+    out = torch.matmul(probs.view(batch, num_kv_heads, group * num_q, -1), v)
+    return out.view(batch, num_heads, num_q, head_dim)
 
 
 class NoCacheAttention:

@@ -1,0 +1,97 @@
+"""Stage 04: one paged KV pool, written by `slot_mapping` and read through `block_tables`.
+
+Introduced in stage 04. The pool is allocated once; each layer attends through its own view.
+Writes scatter each new token's K/V to its flat slot; reads gather a sequence's blocks in table
+order. Everything is plain torch (stage 05 writes with Triton, stage 06 reads without gathering).
+
+    pool  [2, L, num_blocks, block_size, H_kv, D]        layer i: k_cache = pool[0, i]
+                                                                  v_cache = pool[1, i]
+    flat slot s of a layer  =  block s // block_size, offset s % block_size
+
+    block_tables (padded with -1)       context_lens      read for sequence 0:
+      [[0, 1, 2, 6],                     [13,              blocks 0, 1, 2, 6 -> 16 rows,
+       [0, 3, 4, -1]]                     10]              keep the first 13
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanoserve.cache.attention_metadata import AttentionMetadata, prepare_decode, prepare_prefill
+from nanoserve.engine.forward_inputs import ForwardInputs
+from nanoserve.engine.scheduler import ScheduledBatch
+from nanoserve.kernels.attention import attend, attend_decode_padded
+
+
+def store_kvcache(k, v, k_cache, v_cache, slot_mapping: torch.Tensor) -> None:
+    """Scatter k, v (T, H_kv, D) into the caches at slot_mapping (T,); slot -1 is skipped."""
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    keep = slot_mapping >= 0  # -1 marks padding rows that own no slot
+    slots = slot_mapping[keep]
+    k_cache.view(num_slots, *k_cache.shape[2:])[slots] = k[keep]
+    v_cache.view(num_slots, *v_cache.shape[2:])[slots] = v[keep]
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+    """One sequence's first context_len positions, (context_len, H_kv, D), in logical order."""
+    num_blocks = -(-context_len // cache.shape[1])  # ceil: the blocks that hold any of it
+    rows = cache[block_table[:num_blocks]]  # (num_blocks, block_size, H_kv, D)
+    return rows.flatten(0, 1)[:context_len]
+
+
+class PagedKVPool:
+    """The pool tensor and the per-step inputs built from the block manager's tables."""
+
+    def __init__(self, num_blocks, block_size, num_layers, num_kv_heads, head_dim, dtype, device,
+                 store=store_kvcache, gather=gather_kv):  # fmt: skip
+        shape = (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size = block_size
+        self.device = device
+        self.store, self.gather = store, gather
+
+    def layer_caches(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's K and V views, each (num_blocks, block_size, H_kv, D)."""
+        return self.kv[0, layer_id], self.kv[1, layer_id]
+
+    def prepare(self, batch: ScheduledBatch) -> ForwardInputs:
+        """Packed inputs plus the attention metadata for a prefill or a decode step."""
+        prepare = prepare_prefill if batch.is_prefill else prepare_decode
+        step = prepare(batch.seqs, self.block_size, self.device)
+        return ForwardInputs(
+            input_ids=step.input_ids,
+            positions=step.positions,
+            attn=PagedAttention(self, step.metadata),
+            logits_indices=step.metadata.cu_seqlens_q[1:].long() - 1,
+        )
+
+
+class PagedAttention:
+    """Store this step's K/V by slot, then attend over each sequence's pages."""
+
+    def __init__(self, pool: PagedKVPool, metadata: AttentionMetadata):
+        self.pool = pool
+        self.metadata = metadata
+
+    def forward(self, layer_id: int, q, k, v, scale: float) -> torch.Tensor:
+        """(T, H, D) outputs for the packed new tokens."""
+        k_cache, v_cache = self.pool.layer_caches(layer_id)
+        md = self.metadata
+        self.pool.store(k, v, k_cache, v_cache, md.slot_mapping)
+        if not md.is_prefill:
+            return self._decode(q, k_cache, v_cache, scale)
+        outputs = []
+        for i, (context_len, table) in enumerate(zip(md.context_lens_list, md.block_tables)):
+            s, e = md.cu_seqlens_q_list[i], md.cu_seqlens_q_list[i + 1]
+            keys = self.pool.gather(k_cache, table, context_len)
+            values = self.pool.gather(v_cache, table, context_len)
+            outputs.append(attend(q[s:e], keys, values, scale))
+        return torch.cat(outputs)
+
+    def _decode(self, q, k_cache, v_cache, scale: float) -> torch.Tensor:
+        """All sequences at once: gather every block of every table, mask past context_len."""
+        md = self.metadata
+        tables = md.block_tables.clamp(min=0)  # -1 padding reads block 0, then is masked
+        keys = k_cache[tables].flatten(1, 2)  # (B, max_blocks * block_size, H_kv, D)
+        values = v_cache[tables].flatten(1, 2)
+        return attend_decode_padded(q, keys, values, md.context_lens, scale)

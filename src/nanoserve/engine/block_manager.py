@@ -1,0 +1,95 @@
+"""The block manager: which physical KV blocks each running sequence holds, and who else does.
+
+Introduced in stage 04, built on stage 02's `BlockAllocator` and stage 03's `BlockTable`. It is
+pure bookkeeping (no tensors): `seq.block_table` is the list the model runner turns into the
+`block_tables` tensor. Blocks are grown lazily, one decode token at a time; ref counts are kept
+now (always 1 per holder) so that stage 07's prefix sharing has something to count.
+"""
+
+from __future__ import annotations
+
+import math
+
+from nanoserve.cache.allocator import BlockAllocator
+from nanoserve.cache.block_table import BlockTable
+from nanoserve.engine.sequence import Sequence
+from nanoserve.sampling import SamplingParams
+
+
+class BlockManager:
+    """can_allocate / allocate / can_append / may_append / deallocate over a block pool."""
+
+    def __init__(self, num_blocks: int, block_size: int, allocator_cls=BlockAllocator,
+                 table_cls=BlockTable):  # fmt: skip
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.allocator = allocator_cls(num_blocks)
+        self.table_cls = table_cls
+        self.ref_counts = [0] * num_blocks  # holders of each block; 0 means free
+        self.tables: dict[int, BlockTable] = {}  # seq_id -> its table
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks nobody holds."""
+        return self.allocator.num_free_blocks
+
+    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Raise ValueError for a prompt that needs more blocks than the whole pool has."""
+        need = math.ceil(num_prompt_tokens / self.block_size)
+        if need > self.num_blocks:
+            raise ValueError(
+                f"prompt of {num_prompt_tokens} tokens needs {need} blocks of {self.block_size} "
+                f"but the pool has only {self.num_blocks}; it could never be scheduled"
+            )
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        """True when the free blocks cover every token seq has now (prompt, or more after
+        preemption)."""
+        return self.num_free_blocks >= math.ceil(len(seq) / self.block_size)
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give seq blocks for all its current tokens (all-or-nothing)."""
+        table = self.table_cls(self.allocator, self.block_size)
+        table.append(len(seq))
+        self._hold(table.block_ids)
+        self.tables[seq.seq_id] = table
+        seq.block_table = table.block_ids  # the same list: the runner reads it each step
+
+    def can_append(self, seq: Sequence) -> bool:
+        """True when seq's next decode token fits: in its last block, or in one free block."""
+        table = self.tables[seq.seq_id]
+        needs_block = table.num_tokens + 1 > table.capacity
+        return self.num_free_blocks >= int(needs_block)
+
+    def may_append(self, seq: Sequence) -> None:
+        """Make room for the token this decode step writes (a new block only at a boundary)."""
+        table = self.tables[seq.seq_id]
+        num_blocks_before = table.num_blocks
+        table.append(len(seq) - table.num_tokens)
+        self._hold(table.block_ids[num_blocks_before:])
+
+    def deallocate(self, seq: Sequence) -> None:
+        """Release seq's blocks (finish or preemption); forget its cached tokens."""
+        table = self.tables.pop(seq.seq_id)
+        for block_id in table.block_ids:
+            self.ref_counts[block_id] -= 1
+        table.free()  # every holder count above just reached 0: no sharing before stage 07
+        seq.block_table = []
+        seq.num_cached_tokens = 0
+
+    def _hold(self, block_ids: list[int]) -> None:
+        for block_id in block_ids:
+            self.ref_counts[block_id] += 1
+
+    def check_invariants(self) -> None:
+        """Assert the bookkeeping is consistent; tests call it after every step."""
+        held = [0] * self.num_blocks
+        for table in self.tables.values():
+            for block_id in table.block_ids:
+                held[block_id] += 1
+        assert held == self.ref_counts, "ref counts differ from block-table references"
+        for block_id, count in enumerate(self.ref_counts):
+            is_free = self.allocator.is_free(block_id)
+            assert is_free == (count == 0), f"block {block_id}: free={is_free}, refs={count}"
+        used = sum(1 for count in self.ref_counts if count > 0)
+        assert self.num_free_blocks + used == self.num_blocks, "free + used != total"
