@@ -13,6 +13,9 @@ import pytest
 
 from nanoserve import grading
 
+_IMPL_KEY = pytest.StashKey[str]()  # the resolved --impl, set once per session
+_LOADED: dict[tuple[int, str], object] = {}  # (stage number, impl) -> its API namespace
+
 
 def pytest_addoption(parser):
     parser.addoption(
@@ -43,10 +46,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(needs_gpu)
-
-
-_IMPL_KEY = pytest.StashKey[str]()
-_LOADED: dict[tuple[int, str], object] = {}
 
 
 @pytest.fixture

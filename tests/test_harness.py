@@ -72,7 +72,8 @@ def test_each_starter_defines_exactly_the_reference_api(stage):
 def test_every_path_the_manifest_names_for_an_implemented_stage_exists(stage):
     paths = [stage.lesson, stage.starter, stage.test_file, stage.docs_page]
     paths += [stage.notebook] if stage.has_notebook else []
-    assert [p for p in paths if not (ROOT / p).is_file()] == []
+    missing = [p for p in paths if not (ROOT / p).is_file()]
+    assert not missing, f"stage {stage.stem} is implemented but lacks: {', '.join(missing)}"
 
 
 # ---- loading an implementation ----

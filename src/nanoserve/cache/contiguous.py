@@ -36,7 +36,7 @@ class SlabManager:
         """Slabs no sequence owns."""
         return len(self.free_slab_ids)
 
-    def check_fits(self, num_prompt_tokens: int, params) -> None:
+    def check_fits(self, num_prompt_tokens: int, max_num_tokens: int) -> None:
         """Every request fits: a slab holds max_model_len tokens, the engine's own limit."""
 
     def can_allocate(self, seq: Sequence) -> bool:

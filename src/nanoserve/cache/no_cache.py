@@ -17,7 +17,7 @@ from nanoserve.kernels.attention import NoCacheAttention
 class NoCacheManager:
     """Memory never limits admission: only `max_num_seqs` bounds the batch."""
 
-    def check_fits(self, num_prompt_tokens: int, params) -> None:
+    def check_fits(self, num_prompt_tokens: int, max_num_tokens: int) -> None:
         """Every request fits: nothing is stored."""
 
     def can_allocate(self, seq: Sequence) -> bool:

@@ -42,9 +42,9 @@ class TableManager:
         longest = min(num_prompt_tokens + params.max_tokens, self.max_model_len)
         return math.ceil(longest / self.block_size)
 
-    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+    def check_fits(self, num_prompt_tokens: int, max_num_tokens: int) -> None:
         """Raise ValueError for a request that could not fit even in an empty pool."""
-        need = self.blocks_needed(num_prompt_tokens, params)
+        need = math.ceil(max_num_tokens / self.block_size)
         if need > self.allocator.num_blocks:
             raise ValueError(
                 f"request needs {need} blocks of {self.block_size} tokens (prompt + max_tokens) "

@@ -13,7 +13,6 @@ import math
 from nanoserve.cache.allocator import BlockAllocator
 from nanoserve.cache.block_table import BlockTable
 from nanoserve.engine.sequence import Sequence
-from nanoserve.sampling import SamplingParams
 
 
 class BlockManager:
@@ -33,14 +32,21 @@ class BlockManager:
         """Blocks nobody holds."""
         return self.allocator.num_free_blocks
 
-    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        """Raise ValueError for a prompt that needs more blocks than the whole pool has."""
-        need = math.ceil(num_prompt_tokens / self.block_size)
-        if need > self.num_blocks:
-            raise ValueError(
-                f"prompt of {num_prompt_tokens} tokens needs {need} blocks of {self.block_size} "
-                f"but the pool has only {self.num_blocks}; it could never be scheduled"
-            )
+    def check_fits(self, num_prompt_tokens: int, max_num_tokens: int) -> None:
+        """Raise ValueError for a request that could not finish even alone in the pool.
+
+        max_num_tokens is the longest the sequence can get (prompt + max_tokens, capped at
+        max_model_len). Without this check such a request would preempt itself forever.
+        """
+        for what, num_tokens in (("prompt", num_prompt_tokens),
+                                 ("prompt + max_tokens", max_num_tokens)):  # fmt: skip
+            need = math.ceil(num_tokens / self.block_size)
+            if need > self.num_blocks:
+                raise ValueError(
+                    f"{what} ({num_tokens} tokens) needs {need} blocks of {self.block_size} but "
+                    f"the pool has only {self.num_blocks}; it could never finish. Lower "
+                    "max_tokens or grow the pool (num_kv_blocks, kv_cache_bytes)"
+                )
 
     def can_allocate(self, seq: Sequence) -> bool:
         """True when the free blocks cover every token seq has now (prompt, or more after

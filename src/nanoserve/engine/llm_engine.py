@@ -49,7 +49,8 @@ class LLMEngine:
                 f"prompt has {len(prompt_token_ids)} tokens; max_model_len is "
                 f"{self.config.max_model_len}, which must leave room for one generated token"
             )
-        self.manager.check_fits(len(prompt_token_ids), params)
+        longest = min(len(prompt_token_ids) + params.max_tokens, self.config.max_model_len)
+        self.manager.check_fits(len(prompt_token_ids), longest)
 
     def step(self) -> list[Sequence]:
         """Run one batch; returns the sequences that finished in it."""
