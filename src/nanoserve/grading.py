@@ -35,6 +35,11 @@ REFERENCE_API: dict[int, dict[str, str]] = {
         "filter_probs": "nanoserve.sampling:filter_probs",
         "sample": "nanoserve.grading:sample_one",
     },
+    1: {
+        "SlabManager": "nanoserve.cache.contiguous:SlabManager",
+        "store_slab": "nanoserve.cache.contiguous:store_slab",
+        "load_slab": "nanoserve.cache.contiguous:load_slab",
+    },
     2: {
         "OutOfBlocks": "nanoserve.cache.allocator:OutOfBlocks",
         "BlockAllocator": "nanoserve.cache.allocator:BlockAllocator",
@@ -42,6 +47,13 @@ REFERENCE_API: dict[int, dict[str, str]] = {
     3: {
         "BlockPosition": "nanoserve.cache.block_table:BlockPosition",
         "BlockTable": "nanoserve.cache.block_table:BlockTable",
+    },
+    4: {
+        "BlockManager": "nanoserve.engine.block_manager:BlockManager",
+        "store_kvcache": "nanoserve.cache.paged:store_kvcache",
+        "gather_kv": "nanoserve.cache.paged:gather_kv",
+        "prepare_prefill": "nanoserve.cache.attention_metadata:prepare_prefill",
+        "prepare_decode": "nanoserve.cache.attention_metadata:prepare_decode",
     },
 }
 

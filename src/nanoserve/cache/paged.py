@@ -43,12 +43,14 @@ class PagedKVPool:
     """The pool tensor and the per-step inputs built from the block manager's tables."""
 
     def __init__(self, num_blocks, block_size, num_layers, num_kv_heads, head_dim, dtype, device,
-                 store=store_kvcache, gather=gather_kv):  # fmt: skip
+                 store=store_kvcache, gather=gather_kv, prepare_prefill=prepare_prefill,
+                 prepare_decode=prepare_decode):  # fmt: skip
         shape = (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         self.kv = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
         self.device = device
         self.store, self.gather = store, gather
+        self.prepare_prefill, self.prepare_decode = prepare_prefill, prepare_decode
 
     def layer_caches(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's K and V views, each (num_blocks, block_size, H_kv, D)."""
@@ -56,7 +58,7 @@ class PagedKVPool:
 
     def prepare(self, batch: ScheduledBatch) -> ForwardInputs:
         """Packed inputs plus the attention metadata for a prefill or a decode step."""
-        prepare = prepare_prefill if batch.is_prefill else prepare_decode
+        prepare = self.prepare_prefill if batch.is_prefill else self.prepare_decode
         step = prepare(batch.seqs, self.block_size, self.device)
         return ForwardInputs(
             input_ids=step.input_ids,

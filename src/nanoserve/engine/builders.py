@@ -13,6 +13,7 @@ import torch
 from nanoserve.cache import contiguous
 from nanoserve.cache.budget import kv_budget_bytes, kv_bytes_per_token
 from nanoserve.cache.no_cache import NoCache, NoCacheManager
+from nanoserve.cache.attention_metadata import prepare_decode, prepare_prefill
 from nanoserve.cache.paged import PagedKVPool, gather_kv, store_kvcache
 from nanoserve.cache.slot_cache import SlotKVCache, build_table_manager
 from nanoserve.config import EngineConfig
@@ -87,6 +88,8 @@ def build_paged(config: EngineConfig, model, device: torch.device, components: d
         model.dtype, device,
         store=components.get("store_kvcache", store_kvcache),
         gather=components.get("gather_kv", gather_kv),
+        prepare_prefill=components.get("prepare_prefill", prepare_prefill),
+        prepare_decode=components.get("prepare_decode", prepare_decode),
     )  # fmt: skip
     return manager, pool
 
