@@ -23,6 +23,24 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--seed", type=int, default=None)
+    add_engine_args(parser)
+
+
+ENGINE_OPTIONS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_slabs",
+                  "block_size", "num_kv_blocks", "kv_cache_bytes", "gpu_memory_utilization")  # fmt: skip
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """EngineConfig fields as --flags; unset ones keep the engine's defaults."""
+    group = parser.add_argument_group("engine options")
+    for name in ENGINE_OPTIONS:
+        kind = float if name == "gpu_memory_utilization" else int
+        group.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
+
+
+def engine_options(args) -> dict:
+    """The engine flags the user set."""
+    return {n: getattr(args, n) for n in ENGINE_OPTIONS if getattr(args, n, None) is not None}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="complete prompts (chat template applied)")
     gen.add_argument("prompts", nargs="*", default=[DEFAULT_QUESTION])
     gen.add_argument("--raw", action="store_true", help="no chat template: plain completion")
+    gen.add_argument("--trace", action="store_true", help="print every step's batch and memory")
     add_model_args(gen)
     chat = sub.add_parser("chat", help="talk to the model; /exit quits")
     add_model_args(chat)
@@ -59,7 +78,8 @@ def make_llm(args):
     """An LLM for the chosen model, stage, device and dtype."""
     from nanoserve.llm import LLM
 
-    return LLM(args.model, stage=args.stage, device=args.device, dtype=args.dtype)
+    return LLM(args.model, stage=args.stage, device=args.device, dtype=args.dtype,
+               **engine_options(args))  # fmt: skip
 
 
 def cmd_generate(args) -> int:
@@ -69,7 +89,11 @@ def cmd_generate(args) -> int:
         prompts = args.prompts
     else:
         prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in args.prompts]
-    outputs = llm.generate(prompts, params)
+    if args.trace:
+        from nanoserve.engine.trace import format_step
+
+        llm.engine.on_step = lambda record: print(format_step(record, llm.engine.manager))
+    outputs = llm.generate(prompts, params, use_tqdm=not args.trace)
     for question, out in zip(args.prompts, outputs):
         print(
             f"> {question}\n{out.text.strip()}\n[{len(out.token_ids)} tokens, {out.finish_reason}]"

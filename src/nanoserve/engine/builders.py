@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from nanoserve.cache import contiguous
+from nanoserve.cache.attention_metadata import prepare_decode, prepare_prefill
 from nanoserve.cache.budget import kv_budget_bytes, kv_bytes_per_token
 from nanoserve.cache.no_cache import NoCache, NoCacheManager
-from nanoserve.cache.attention_metadata import prepare_decode, prepare_prefill
 from nanoserve.cache.paged import PagedKVPool, gather_kv, store_kvcache
 from nanoserve.cache.slot_cache import SlotKVCache, build_table_manager
 from nanoserve.config import EngineConfig

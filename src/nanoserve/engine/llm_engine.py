@@ -12,6 +12,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.trace import StepRecord
 from nanoserve.sampling import SamplingParams
 
 
@@ -25,6 +26,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config, manager)
         self.eos_ids = frozenset(eos_ids)
         self.vocab_size = runner.model.config.vocab_size
+        self.on_step = None  # optional callback(StepRecord), e.g. the --trace printer
+        self.num_steps = 0
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         """Validate and queue one request; raises ValueError and queues nothing if it is bad."""
@@ -54,10 +57,15 @@ class LLMEngine:
 
     def step(self) -> list[Sequence]:
         """Run one batch; returns the sequences that finished in it."""
+        num_preempted_before = self.scheduler.num_preemptions
         batch = self.scheduler.schedule()
         if not batch.seqs:
             raise RuntimeError("scheduler produced an empty batch with requests pending")
         token_ids = self.runner.run(batch)
+        self.num_steps += 1
+        if self.on_step is not None:
+            num_preempted = self.scheduler.num_preemptions - num_preempted_before
+            self.on_step(StepRecord(self.num_steps, batch, self.runner.last_inputs, num_preempted))
         return self.scheduler.postprocess(batch, token_ids, self.eos_ids)
 
     def has_unfinished(self) -> bool:

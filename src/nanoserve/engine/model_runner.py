@@ -18,11 +18,13 @@ class ModelRunner:
         self.cache = cache
         self.sampler = sampler or Sampler()
         self.device = next(model.parameters()).device
+        self.last_inputs = None  # kept for --trace: what the last step fed the model
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int]:
         """The next token id of every sequence in the batch."""
         inputs = self.cache.prepare(batch)
+        self.last_inputs = inputs
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         params = [seq.params for seq in batch.seqs]

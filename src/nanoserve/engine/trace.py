@@ -1,0 +1,69 @@
+"""`--trace`: one readable block per engine step, so a learner can watch memory move.
+
+Introduced in stage 04 (it works for every stage). It formats what the engine already decided:
+the batch, each sequence's block table (or slab), the slots written, free memory, preemptions.
+It changes nothing and is off unless asked for.
+
+    step 7 decode  seqs 2  free blocks 3/12  preempted 0
+      seq 4  len 13  blocks [0, 1, 2, 6]  slots [24]
+      seq 5  len 10  blocks [3, 4, 5]     slots [41]
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from nanoserve.engine.forward_inputs import ForwardInputs
+from nanoserve.engine.scheduler import ScheduledBatch
+
+
+class StepRecord(NamedTuple):
+    """What one step did."""
+
+    step: int
+    batch: ScheduledBatch
+    inputs: ForwardInputs
+    num_preempted: int  # sequences preempted while scheduling this step
+
+
+def free_memory(manager) -> str:
+    """Free blocks or slabs out of the total, in the manager's own unit."""
+    if hasattr(manager, "num_free_blocks"):
+        total = getattr(manager, "num_blocks", None) or manager.allocator.num_blocks
+        return f"free blocks {manager.num_free_blocks}/{total}"
+    if hasattr(manager, "num_free_slabs"):
+        return f"free slabs {manager.num_free_slabs}/{manager.num_slabs}"
+    return "no KV cache"
+
+
+def slots_per_seq(record: StepRecord) -> list[list[int] | None]:
+    """The slots each sequence's new tokens were written to, when the step has a slot_mapping."""
+    metadata = getattr(record.inputs.attn, "metadata", None)
+    if metadata is None:
+        return [None] * len(record.batch.seqs)
+    slots, bounds = metadata.slot_mapping.tolist(), metadata.cu_seqlens_q_list
+    return [slots[bounds[i] : bounds[i + 1]] for i in range(len(record.batch.seqs))]
+
+
+def short(values: list[int], limit: int = 12) -> str:
+    """[a, b, ..., z] with the middle elided for long lists."""
+    if len(values) <= limit:
+        return str(values)
+    head, tail = values[: limit // 2], values[-2:]
+    return f"[{', '.join(map(str, head))}, ... {', '.join(map(str, tail))}] ({len(values)})"
+
+
+def format_step(record: StepRecord, manager) -> str:
+    """A header line for the step, then one line per sequence in the batch."""
+    kind = "prefill" if record.batch.is_prefill else "decode"
+    lines = [
+        f"step {record.step} {kind}  seqs {len(record.batch.seqs)}  {free_memory(manager)}  "
+        f"preempted {record.num_preempted}"
+    ]
+    for seq, slots in zip(record.batch.seqs, slots_per_seq(record)):
+        where = f"blocks {short(seq.block_table)}" if seq.block_table else ""
+        if seq.slab_id is not None:
+            where = f"slab {seq.slab_id}"
+        written = f"  slots {short(slots)}" if slots is not None else ""
+        lines.append(f"  seq {seq.seq_id}  len {len(seq)}  {where}{written}")
+    return "\n".join(lines)

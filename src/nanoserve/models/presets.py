@@ -1,0 +1,83 @@
+"""Presets: named model shapes that build with random weights, for benchmarks and tests.
+
+Introduced with `nanoserve bench` (stage 04). Each preset is a Hugging Face-style `config.json`
+dict copied from the real checkpoint, so a preset runs at the real model's speed without its
+weights. It has no tokenizer and says nothing sensible: use it to measure, never to read text.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nanoserve.models.config import ModelConfig
+from nanoserve.models.decoder import CausalLM
+
+PRESETS: dict[str, dict] = {
+    "qwen3-0.6b": {  # Qwen/Qwen3-0.6B
+        "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 1024,
+        "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+        "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": True,
+        "attention_bias": False, "bos_token_id": 151643, "eos_token_id": 151645,
+    },
+    "smollm2-135m": {  # HuggingFaceTB/SmolLM2-135M-Instruct
+        "model_type": "llama", "vocab_size": 49152, "hidden_size": 576,
+        "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "head_dim": 64, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+        "max_position_embeddings": 8192, "tie_word_embeddings": True, "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    "llama-3.2-1b": {  # meta-llama/Llama-3.2-1B
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048,
+        "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 64, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "max_position_embeddings": 131072, "tie_word_embeddings": True,
+        "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "bos_token_id": 128000, "eos_token_id": 128001,
+    },
+    "tiny-llama": {  # not a real model: small enough for a test to run it end to end in seconds
+        "model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "max_position_embeddings": 4096, "tie_word_embeddings": True, "eos_token_id": 2,
+    },
+}  # fmt: skip
+
+INIT_STD = 0.02  # Hugging Face's `initializer_range` for all three families
+
+
+def preset_config(name: str) -> dict:
+    """A copy of a preset's config dict; ValueError naming the presets otherwise."""
+    if name not in PRESETS:
+        raise ValueError(f"model preset {name!r} is unknown; presets: {', '.join(PRESETS)}")
+    return {k: dict(v) if isinstance(v, dict) else v for k, v in PRESETS[name].items()}
+
+
+@torch.no_grad()
+def init_random_weights(model: nn.Module, seed: int = 0) -> None:
+    """Fill every weight as a fresh Hugging Face model would: N(0, 0.02), norms 1, biases 0.
+
+    Small weights keep activations finite in bf16 through dozens of layers. Tied tensors are
+    visited once. The same seed on the same device type gives the same weights.
+    """
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, param in model.named_parameters():  # tied parameters appear once
+        if name.endswith("norm.weight"):  # RMSNorm scales (layer norms, Qwen3 q/k norms)
+            param.fill_(1.0)
+        elif name.endswith("bias"):
+            param.zero_()
+        else:  # linear and embedding weights
+            param.normal_(0.0, INIT_STD, generator=generator)
+
+
+def random_model(name: str, device, dtype: torch.dtype, seed: int = 0) -> CausalLM:
+    """The preset's model on device in dtype, with random weights from `seed`."""
+    from nanoserve.models.loader import build_model  # the loader will import this module
+
+    config = ModelConfig.from_hf_dict(preset_config(name))
+    model = build_model(config, None, torch.device(device), dtype)
+    init_random_weights(model, seed)
+    return model

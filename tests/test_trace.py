@@ -1,0 +1,30 @@
+"""`--trace` shows each step's batch, block tables, slots and free blocks, from the live engine."""
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.engine.trace import format_step
+
+
+def test_trace_shows_prefill_then_decode_with_the_slots_written(tiny_checkpoints):
+    folder, _ = tiny_checkpoints["llama"]
+    llm = LLM(str(folder), stage=4, device="cpu", dtype="float64", block_size=4, num_kv_blocks=8,
+              max_model_len=32)  # fmt: skip
+    lines = []
+    llm.engine.on_step = lambda record: lines.append(format_step(record, llm.engine.manager))
+    prompt = [11, 12, 13, 14, 21, 22, 23, 24, 31, 32, 33]  # the seed's prompt A
+    llm.generate([prompt], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    prefill, decode_12, decode_13 = lines
+    assert prefill.startswith("step 1 prefill  seqs 1  free blocks 5/8  preempted 0")
+    assert "len 11  blocks [0, 1, 2]  slots [0, 1, 2, 3, 4, 5, ... 9, 10] (11)" in prefill
+    assert "len 12  blocks [0, 1, 2]  slots [11]" in decode_12  # last offset of block 2
+    assert "free blocks 4/8" in decode_13  # length 13 needs a fourth block ...
+    assert "len 13  blocks [0, 1, 2, 3]  slots [12]" in decode_13  # ... whose first slot is 12
+
+
+def test_trace_of_the_slab_engine_names_the_slab(tiny_checkpoints):
+    folder, _ = tiny_checkpoints["llama"]
+    llm = LLM(str(folder), stage=1, device="cpu", dtype="float64", num_slabs=2, max_model_len=32)
+    lines = []
+    llm.engine.on_step = lambda record: lines.append(format_step(record, llm.engine.manager))
+    llm.generate([[1, 2], [3]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert "free slabs 0/2" in lines[0]
+    assert "slab 0" in lines[0] and "slab 1" in lines[0]
