@@ -14,7 +14,7 @@ def test_trace_shows_prefill_then_decode_with_the_slots_written(tiny_checkpoints
     llm.generate([prompt], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     prefill, decode_12, decode_13 = lines
     assert prefill.startswith("step 1 prefill  seqs 1  free blocks 5/8  preempted 0")
-    assert "len 11  blocks [0, 1, 2]  slots [0, 1, 2, 3, 4, 5, ... 9, 10] (11)" in prefill
+    assert "len 11  blocks [0, 1, 2]  slots [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]" in prefill
     assert "len 12  blocks [0, 1, 2]  slots [11]" in decode_12  # last offset of block 2
     assert "free blocks 4/8" in decode_13  # length 13 needs a fourth block ...
     assert "len 13  blocks [0, 1, 2, 3]  slots [12]" in decode_13  # ... whose first slot is 12

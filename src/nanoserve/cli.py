@@ -26,8 +26,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
 
 
-ENGINE_OPTIONS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_slabs",
-                  "block_size", "num_kv_blocks", "kv_cache_bytes", "gpu_memory_utilization")  # fmt: skip
+ENGINE_OPTIONS = (
+    "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_slabs", "block_size",
+    "num_kv_blocks", "kv_cache_bytes", "gpu_memory_utilization",
+)  # fmt: skip
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
