@@ -58,3 +58,12 @@ def test_generate_command_answers_with_smollm2(capsys):
     out = capsys.readouterr().out
     assert out.startswith("> What is 2 + 2?\n")
     assert "tokens, " in out
+
+
+def test_readme_shows_the_two_commands_first_and_the_manifest_table():
+    from nanoserve.stages import markdown_table
+
+    readme = (ROOT / "README.md").read_text()
+    assert readme.index("make demo") < readme.index("## Use it")
+    assert "make test" in readme
+    assert markdown_table() in readme

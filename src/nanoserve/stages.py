@@ -138,3 +138,18 @@ def require_implemented(number: int) -> Stage:
             f"implemented stages: {done}"
         )
     return stage
+
+
+def markdown_table() -> str:
+    """The stage table as Markdown: the README shows exactly this (a test keeps them in step)."""
+    rows = [
+        "| # | stage | adds | proven equal to | status |",
+        "|---|---|---|---|---|",
+    ]
+    for s in STAGES:
+        gpu = " (GPU)" if s.needs_gpu else ""
+        rows.append(
+            f"| {s.number:02d} | `{s.stem}`{gpu} | {s.summary} | {s.proven_equal_to} "
+            f"| {s.status.value} |"
+        )
+    return "\n".join(rows)
