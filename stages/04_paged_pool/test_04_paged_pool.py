@@ -1,0 +1,484 @@
+"""Stage 04's graded contract: the block manager, the pool's write and read, the step tensors,
+and the whole engine built from your pieces.
+
+Run against any implementation with `pytest stages/04_paged_pool --impl ref|starter|yours.py`.
+The numbers are the seed's hand traces at block_size 4 (prompt A = 11 tokens on blocks [0, 1, 2],
+its decode at lengths 12 and 13, B's cached prefix, the packed batch C + D). Tasks 2 to 5 build
+their sequences' block tables by hand, so each task is graded on its own. Task 6 plugs your five
+names into the reference engine (`LLM(stage=4, components=...)`) and demands stage 01's tokens
+from a tiny random Llama in float64, with and without preemption.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.engine.sequence import Sequence
+
+API = ("BlockManager", "store_kvcache", "gather_kv", "prepare_prefill", "prepare_decode")
+
+# the seed's prompts: pages of 4 written apart so the block boundaries show
+A = [11, 12, 13, 14, 21, 22, 23, 24, 31, 32, 33]
+B = [11, 12, 13, 14, 51, 52, 53, 54, 61, 62, 63, 64, 71]
+
+
+def seq_of(token_ids, block_table=(), num_cached_tokens=0) -> Sequence:
+    """A sequence whose block table is set by hand, as if a block manager had placed it."""
+    seq = Sequence(token_ids, SamplingParams())
+    seq.block_table = list(block_table)
+    seq.num_cached_tokens = num_cached_tokens
+    return seq
+
+
+def admitted(manager, token_ids) -> Sequence:
+    """A new sequence admitted the way the scheduler admits one."""
+    seq = Sequence(token_ids, SamplingParams())
+    assert manager.can_allocate(seq), f"a fresh {len(token_ids)}-token sequence should fit"
+    manager.allocate(seq)
+    return seq
+
+
+def decode_one(manager, seq, token_id=99) -> None:
+    """What one engine step does to seq: its K/V is now stored, one token is sampled, and the
+    next decode makes room for that token."""
+    seq.num_cached_tokens = len(seq)
+    seq.append_token(token_id)
+    assert manager.can_append(seq)
+    manager.may_append(seq)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check_books(manager, live, num_blocks, block_size, num_tokens_of=len) -> None:
+    """What must hold after every call, seen from outside: ids in range, no block held by two
+    sequences, every token covered with no block held ahead of need, free + held == total.
+    num_tokens_of(seq) is how many tokens seq's blocks must cover at this moment."""
+    held = [b for seq in live for b in seq.block_table]
+    assert all(0 <= b < num_blocks for b in held), f"block id out of range in {held}"
+    assert len(held) == len(set(held)), f"a block is held by two sequences: {sorted(held)}"
+    for seq in live:
+        need = ceil_div(num_tokens_of(seq), block_size)
+        assert len(seq.block_table) == need, (
+            f"{num_tokens_of(seq)} tokens need {need} blocks of {block_size}, got {seq.block_table}"
+        )
+    assert manager.num_free_blocks + len(held) == num_blocks
+    manager.check_invariants()
+
+
+def values(step) -> dict:
+    """Every field of a StepInputs as plain lists."""
+    md = step.metadata
+    return {
+        "is_prefill": md.is_prefill,
+        "input_ids": step.input_ids.tolist(),
+        "positions": step.positions.tolist(),
+        "slot_mapping": md.slot_mapping.tolist(),
+        "cu_seqlens_q": md.cu_seqlens_q.tolist(),
+        "cu_seqlens_k": md.cu_seqlens_k.tolist(),
+        "context_lens": md.context_lens.tolist(),
+        "block_tables": md.block_tables.tolist(),
+        "cu_seqlens_q_list": list(md.cu_seqlens_q_list),
+        "context_lens_list": list(md.context_lens_list),
+    }
+
+
+# ---- task 1: the block manager ----
+
+
+def test_task_1_prompt_a_on_a_fresh_pool_gets_blocks_0_1_2(impl):
+    manager = impl.BlockManager(8, 4)
+    assert (manager.num_blocks, manager.block_size, manager.num_free_blocks) == (8, 4, 8)
+    a = admitted(manager, A)
+    assert a.block_table == [0, 1, 2]  # ceil(11 / 4) = 3 blocks, the first ids of a fresh pool
+    assert manager.num_free_blocks == 5
+    check_books(manager, [a], 8, 4)
+
+
+def test_task_1_can_allocate_counts_every_token_and_changes_nothing(impl):
+    manager = impl.BlockManager(4, 4)
+    small = admitted(manager, [1, 2])  # 3 blocks left
+    preempted = Sequence(A, SamplingParams())  # as if preempted after generating two tokens:
+    preempted.append_token(99)  # its 13 tokens are all recomputed, so it needs 4 blocks,
+    preempted.append_token(100)  # not the 3 its 11-token prompt alone would need
+    assert not manager.can_allocate(preempted)
+    assert manager.num_free_blocks == 3 and preempted.block_table == []
+    manager.deallocate(small)
+    assert manager.can_allocate(preempted)
+    manager.allocate(preempted)
+    assert len(preempted.block_table) == 4 and manager.num_free_blocks == 0
+    check_books(manager, [preempted], 4, 4)
+
+
+def test_task_1_check_fits_refuses_a_request_that_needs_more_blocks_than_exist(impl):
+    manager = impl.BlockManager(8, 4)
+    manager.check_fits(32, 32)  # exactly 8 blocks: fits
+    manager.check_fits(3, 32)
+    with pytest.raises(ValueError):
+        manager.check_fits(33, 34)  # the prompt alone needs 9 blocks
+    with pytest.raises(ValueError):
+        manager.check_fits(3, 60)  # prompt + max_tokens needs 15
+    assert manager.num_free_blocks == 8
+
+
+def test_task_1_decode_at_length_12_needs_no_block_and_at_13_takes_one(impl):
+    manager = impl.BlockManager(8, 4)
+    a = admitted(manager, A)
+    other = admitted(manager, list(range(12)))  # takes 3, 4, 5
+    assert other.block_table == [3, 4, 5]
+    decode_one(manager, a, 99)  # length 12: token 99 sits at position 11, offset 3 of block 2
+    assert a.block_table == [0, 1, 2] and manager.num_free_blocks == 2
+    decode_one(manager, a, 100)  # length 13: token 100 is the first of a new page
+    assert a.block_table == [0, 1, 2, 6] and manager.num_free_blocks == 1
+    check_books(manager, [a, other], 8, 4)
+
+
+def test_task_1_can_append_is_false_only_when_a_boundary_meets_an_empty_pool(impl):
+    manager = impl.BlockManager(3, 4)
+    a = admitted(manager, A)  # all three blocks
+    decode_one(manager, a, 99)  # position 11 still fits block 2
+    a.num_cached_tokens = len(a)
+    a.append_token(100)  # position 12 needs a fourth block; there is none
+    assert not manager.can_append(a)
+    assert a.block_table == [0, 1, 2] and manager.num_free_blocks == 0
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 4, 16])
+def test_task_1_growth_is_lazy_and_never_moves_a_block(impl, block_size):
+    manager = impl.BlockManager(64, block_size)
+    seq = admitted(manager, [7, 8, 9])
+    for step in range(37):  # 3 -> 40 tokens, one decode at a time
+        before = list(seq.block_table)
+        decode_one(manager, seq, step)
+        assert seq.block_table[: len(before)] == before, "a block holding K/V moved"
+        check_books(manager, [seq], 64, block_size)
+
+
+def test_task_1_deallocate_frees_everything_and_forgets_the_cached_tokens(impl):
+    manager = impl.BlockManager(8, 4)
+    a = admitted(manager, A)
+    decode_one(manager, a)
+    decode_one(manager, a)  # 13 tokens on 4 blocks, 12 of them cached
+    manager.deallocate(a)
+    assert (a.block_table, a.num_cached_tokens, manager.num_free_blocks) == ([], 0, 8)
+    check_books(manager, [], 8, 4)
+    assert manager.can_allocate(a)  # preempted: comes back with all 13 tokens to recompute
+    manager.allocate(a)
+    assert len(a.block_table) == 4
+    check_books(manager, [a], 8, 4)
+
+
+def test_task_1_blocks_freed_by_a_finished_sequence_are_reused(impl):
+    manager = impl.BlockManager(3, 4)
+    a = admitted(manager, A)
+    assert not manager.can_allocate(Sequence([5], SamplingParams()))  # the pool is full
+    manager.deallocate(a)
+    b = admitted(manager, list(range(12)))
+    assert sorted(b.block_table) == [0, 1, 2]
+    check_books(manager, [b], 3, 4)
+
+
+def test_task_1_random_traffic_keeps_the_books_consistent(impl):
+    rng, num_blocks, block_size = random.Random(0), 24, 4
+    manager = impl.BlockManager(num_blocks, block_size)
+    live: list[Sequence] = []
+    for _ in range(400):
+        action = rng.random()
+        if action < 0.25:  # a new arrival, when it fits
+            seq = Sequence([1] * rng.randrange(1, 30), SamplingParams())
+            if manager.can_allocate(seq):
+                manager.allocate(seq)
+                live.append(seq)
+        elif action < 0.4 and live:  # a finish or a preemption
+            manager.deallocate(live.pop(rng.randrange(len(live))))
+        elif live:  # a decode step, when there is room
+            seq = rng.choice(live)
+            seq.num_cached_tokens = len(seq)
+            seq.append_token(3)
+            if manager.can_append(seq):
+                manager.may_append(seq)
+            else:
+                manager.deallocate(seq)  # no room: preempt it
+                live.remove(seq)
+        check_books(manager, live, num_blocks, block_size)
+    for seq in live:
+        manager.deallocate(seq)
+    assert manager.num_free_blocks == num_blocks
+
+
+# ---- task 2: write K/V into the pool by slot ----
+
+
+def empty_caches(num_blocks=6, block_size=4, num_kv_heads=2, head_dim=3):
+    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.float64)
+    return k_cache, torch.zeros_like(k_cache)
+
+
+def test_task_2_store_writes_each_token_at_the_block_and_offset_of_its_slot(impl):
+    k_cache, v_cache = empty_caches()
+    k = torch.randn(5, 2, 3, dtype=torch.float64)
+    v = torch.randn(5, 2, 3, dtype=torch.float64)
+    slots = [0, 6, 7, 20, 13]
+    impl.store_kvcache(k, v, k_cache, v_cache, torch.tensor(slots))
+    expected_k, expected_v = empty_caches()
+    for j, slot in enumerate(slots):
+        expected_k[slot // 4, slot % 4] = k[j]
+        expected_v[slot // 4, slot % 4] = v[j]
+    assert torch.equal(k_cache, expected_k)
+    assert torch.equal(v_cache, expected_v)
+
+
+def test_task_2_store_skips_padding_slots_marked_minus_one(impl):
+    k_cache, v_cache = empty_caches()
+    k = torch.ones(4, 2, 3, dtype=torch.float64)
+    impl.store_kvcache(k, 2 * k, k_cache, v_cache, torch.tensor([-1, 9, -1, -1]))
+    written = k_cache.flatten(0, 1).abs().sum((1, 2)).nonzero().flatten().tolist()
+    assert written == [9], "only slot 9 may change; -1 must not wrap to the pool's last slot"
+    assert torch.equal(v_cache[2, 1], 2 * k[0])
+
+
+def test_task_2_store_writes_into_the_pool_through_its_layer_views(impl):
+    pool = torch.zeros(2, 3, 6, 4, 2, 3, dtype=torch.float64)  # [2, L, N, block_size, H_kv, D]
+    k = torch.randn(3, 2, 3, dtype=torch.float64)
+    impl.store_kvcache(k, -k, pool[0, 1], pool[1, 1], torch.tensor([8, 9, 23]))
+    assert torch.equal(pool[0, 1, 2, :2], k[:2]) and torch.equal(pool[0, 1, 5, 3], k[2])
+    assert torch.equal(pool[1, 1, 2, :2], -k[:2]) and torch.equal(pool[1, 1, 5, 3], -k[2])
+    assert pool[:, 0].abs().sum() == 0 and pool[:, 2].abs().sum() == 0, "other layers changed"
+
+
+# ---- task 3: read one sequence's history through its block table ----
+
+
+def filled_cache(table, context_len, block_size=4, num_blocks=6):
+    """A cache holding position p's row (every value p + 1) at block table[p // bs], p % bs,
+    plus junk (-7) in every slot that is not the sequence's."""
+    cache = torch.full((num_blocks, block_size, 2, 3), -7.0, dtype=torch.float64)
+    for p in range(context_len):
+        cache[table[p // block_size], p % block_size] = p + 1
+    expected = torch.arange(1, context_len + 1, dtype=torch.float64)[:, None, None].expand(-1, 2, 3)
+    return cache, expected
+
+
+def test_task_3_gather_returns_logical_order_from_scattered_blocks(impl):
+    cache, expected = filled_cache([5, 2, 0], 10)
+    got = impl.gather_kv(cache, torch.tensor([5, 2, 0], dtype=torch.int32), 10)
+    assert got.shape == (10, 2, 3)
+    assert torch.equal(got, expected)
+
+
+def test_task_3_gather_stops_at_context_len_and_never_reads_padding(impl):
+    cache, expected = filled_cache([3, 1], 5)
+    table = torch.tensor([3, 1, -1, -1], dtype=torch.int32)  # a padded row of block_tables
+    got = impl.gather_kv(cache, table, 5)
+    assert got.shape == (5, 2, 3), "return exactly context_len rows"
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("context_len", [1, 4, 8])
+def test_task_3_gather_at_block_edges(impl, context_len):
+    cache, expected = filled_cache([4, 0], context_len)
+    got = impl.gather_kv(cache, torch.tensor([4, 0, -1], dtype=torch.int32), context_len)
+    assert torch.equal(got, expected)
+
+
+# ---- task 4: the prefill step's tensors ----
+
+
+def test_task_4_prefill_of_prompt_a_writes_slots_0_to_10(impl):
+    step = impl.prepare_prefill([seq_of(A, [0, 1, 2])], 4, "cpu")
+    assert values(step) == {
+        "is_prefill": True,
+        "input_ids": A,
+        "positions": list(range(11)),
+        "slot_mapping": list(range(11)),
+        "cu_seqlens_q": [0, 11],
+        "cu_seqlens_k": [0, 11],
+        "context_lens": [11],
+        "block_tables": [[0, 1, 2]],
+        "cu_seqlens_q_list": [0, 11],
+        "context_lens_list": [11],
+    }
+
+
+def test_task_4_slots_follow_a_fragmented_block_table(impl):
+    seq = seq_of(list(range(10)), [0, 4, 7])
+    slots = impl.prepare_prefill([seq], 4, "cpu").metadata.slot_mapping.tolist()
+    assert slots[6] == 4 * 4 + 2  # position 6: page 1 -> block 4, offset 2 -> slot 18
+    assert slots == [0, 1, 2, 3, 16, 17, 18, 19, 28, 29]
+
+
+def test_task_4_a_cached_prefix_is_skipped_in_q_but_counted_in_k(impl):
+    b = seq_of(B, [0, 3, 4, 5], num_cached_tokens=4)  # the seed's B after a 4-token prefix hit
+    got = values(impl.prepare_prefill([b], 4, "cpu"))
+    assert got["input_ids"] == B[4:]
+    assert got["positions"] == list(range(4, 13))
+    assert (got["cu_seqlens_q"], got["cu_seqlens_k"]) == ([0, 9], [0, 13])
+    assert got["slot_mapping"] == list(range(12, 21))  # 12..15, 16..19 and 20
+    assert (got["block_tables"], got["context_lens"]) == ([[0, 3, 4, 5]], [13])
+
+
+def test_task_4_a_packed_batch_keeps_two_cumulative_length_arrays(impl):
+    c = seq_of([40, 41, 42, 43, 44, 45, 46], [8, 9], num_cached_tokens=4)  # 4 cached + 3 new
+    d = seq_of([50, 51], [10])  # 0 cached + 2 new
+    got = values(impl.prepare_prefill([c, d], 4, "cpu"))
+    assert got["input_ids"] == [44, 45, 46, 50, 51]
+    assert got["positions"] == [4, 5, 6, 0, 1]
+    assert (got["cu_seqlens_q"], got["cu_seqlens_k"]) == ([0, 3, 5], [0, 7, 9])
+    assert got["cu_seqlens_q_list"] == [0, 3, 5]
+    assert got["slot_mapping"] == [36, 37, 38, 40, 41]
+    assert got["block_tables"] == [[8, 9], [10, -1]]  # padded with -1
+    assert got["context_lens"] == got["context_lens_list"] == [7, 2]
+
+
+def test_task_4_b_sharing_nothing_packs_after_a_with_its_own_blocks(impl):
+    # without stage 07's prefix cache, B's first page is not shared: it lands on blocks 3..6
+    a, b = seq_of(A, [0, 1, 2]), seq_of(B, [3, 4, 5, 6])
+    got = values(impl.prepare_prefill([a, b], 4, "cpu"))
+    assert got["cu_seqlens_q"] == got["cu_seqlens_k"] == [0, 11, 24]
+    assert got["slot_mapping"] == [*range(0, 11), *range(12, 25)]
+    assert got["positions"] == [*range(11), *range(13)]
+    assert got["block_tables"] == [[0, 1, 2, -1], [3, 4, 5, 6]]
+
+
+def test_task_4_prefill_reads_the_tables_and_changes_nothing(impl):
+    a = seq_of(A, [0, 1, 2])
+    step = impl.prepare_prefill([a], 4, "cpu")
+    assert (a.block_table, a.num_cached_tokens, len(a)) == ([0, 1, 2], 0, 11)
+    assert step.input_ids.device.type == "cpu"
+
+
+# ---- task 5: the decode step's tensors ----
+
+
+def test_task_5_decode_at_length_12_writes_slot_11_and_reads_three_blocks(impl):
+    a = seq_of([*A, 99], [0, 1, 2], num_cached_tokens=11)
+    assert values(impl.prepare_decode([a], 4, "cpu")) == {
+        "is_prefill": False,
+        "input_ids": [99],
+        "positions": [11],
+        "slot_mapping": [2 * 4 + 3],
+        "cu_seqlens_q": [0, 1],
+        "cu_seqlens_k": [0, 12],
+        "context_lens": [12],
+        "block_tables": [[0, 1, 2]],
+        "cu_seqlens_q_list": [0, 1],
+        "context_lens_list": [12],
+    }
+
+
+def test_task_5_decode_at_length_13_writes_the_first_slot_of_the_new_block(impl):
+    a = seq_of([*A, 99, 100], [0, 1, 2, 6], num_cached_tokens=12)
+    got = values(impl.prepare_decode([a], 4, "cpu"))
+    assert (got["input_ids"], got["positions"], got["slot_mapping"]) == ([100], [12], [24])
+    assert got["context_lens"] == [13]
+    assert got["block_tables"] == [[0, 1, 2, 6]]
+
+
+def test_task_5_a_decode_batch_pads_short_block_tables_with_minus_one(impl):
+    a = seq_of([*A, 99, 100], [0, 1, 2, 6], num_cached_tokens=12)  # the seed's A and B
+    b = seq_of([*B, 77], [0, 3, 4, 5], num_cached_tokens=13)
+    e = seq_of([5, 6], [7], num_cached_tokens=1)
+    got = values(impl.prepare_decode([a, b, e], 4, "cpu"))
+    assert got["input_ids"] == [100, 77, 6]
+    assert got["positions"] == [12, 13, 1]
+    assert got["slot_mapping"] == [6 * 4 + 0, 5 * 4 + 1, 7 * 4 + 1]
+    assert got["block_tables"] == [[0, 1, 2, 6], [0, 3, 4, 5], [7, -1, -1, -1]]
+    assert got["context_lens"] == got["context_lens_list"] == [13, 14, 2]
+    assert got["cu_seqlens_q"] == got["cu_seqlens_q_list"] == [0, 1, 2, 3]
+    assert got["cu_seqlens_k"] == [0, 13, 27, 29]
+
+
+# ---- task 6: the engine, built from your pieces, reproduces stage 01 ----
+
+MAX_TOKENS = 32
+MAX_MODEL_LEN = 96
+# around the block boundaries of block_size 4, so prefill and decode both cross them
+PROMPT_LENS = (1, 3, 4, 5, 7, 8, 9, 12, 13, 16, 17, 30)
+SMALL_POOL = 18  # the longest request needs ceil((30 + 32) / 4) = 16 of them
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A random Hugging Face Llama (hidden 64, 2 layers, 4 heads, 2 kv heads), float64, saved."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    folder = tmp_path_factory.mktemp("tiny-llama-04")
+    transformers.LlamaForCausalLM(config).to(torch.float64).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(4)
+    return [[rng.randrange(256) for _ in range(n)] for n in PROMPT_LENS]
+
+
+@pytest.fixture(scope="module")
+def stage_01_tokens(tiny_llama, prompts):
+    """The reference of the chain: stage 01's contiguous slabs, greedy, to MAX_TOKENS each."""
+    llm = LLM(tiny_llama, stage=1, device="cpu", dtype="float64", max_model_len=MAX_MODEL_LEN)
+    return [o.token_ids for o in llm.generate(prompts, params(), use_tqdm=False)]
+
+
+def params() -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def paged_llm(folder, components, num_kv_blocks) -> LLM:
+    return LLM(folder, stage=4, device="cpu", dtype="float64", components=components,
+               block_size=4, num_kv_blocks=num_kv_blocks, max_model_len=MAX_MODEL_LEN)  # fmt: skip
+
+
+def run_checked(llm, prompts, num_kv_blocks) -> list[list[int]]:
+    """Step the engine by hand, checking the books after every step; the completion tokens."""
+    engine = llm.engine
+    seqs = [engine.add_request(p, params()) for p in prompts]
+    for _ in range(10_000):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+        # between steps a running sequence holds blocks for the tokens whose K/V is stored; the
+        # token sampled last gets its block (if it needs one) when its decode is scheduled
+        running = list(engine.scheduler.running)
+        check_books(engine.manager, running, num_kv_blocks, 4, lambda s: s.num_cached_tokens)
+        assert all(s.block_table == [] for s in engine.scheduler.waiting), "a waiting seq holds"
+    assert not engine.has_unfinished(), "the engine did not finish in 10,000 steps"
+    return [seq.completion_token_ids for seq in seqs]
+
+
+@pytest.mark.parametrize("piece", API)
+def test_task_6_each_piece_alone_in_the_reference_engine_gives_stage_01_tokens(
+    impl, tiny_llama, prompts, stage_01_tokens, piece
+):
+    llm = paged_llm(tiny_llama, {piece: getattr(impl, piece)}, num_kv_blocks=1000)
+    got = [o.token_ids for o in llm.generate(prompts, params(), use_tqdm=False)]
+    assert got == stage_01_tokens
+
+
+def test_task_6_all_pieces_with_a_large_pool_give_stage_01_tokens_and_free_every_block(
+    impl, tiny_llama, prompts, stage_01_tokens
+):
+    llm = paged_llm(tiny_llama, {name: getattr(impl, name) for name in API}, num_kv_blocks=1000)
+    assert run_checked(llm, prompts, 1000) == stage_01_tokens
+    assert llm.engine.scheduler.num_preemptions == 0
+    assert llm.engine.manager.num_free_blocks == 1000
+
+
+def test_task_6_a_pool_so_small_it_preempts_still_gives_stage_01_tokens(
+    impl, tiny_llama, prompts, stage_01_tokens
+):
+    llm = paged_llm(tiny_llama, {name: getattr(impl, name) for name in API}, SMALL_POOL)
+    assert run_checked(llm, prompts, SMALL_POOL) == stage_01_tokens
+    assert llm.engine.scheduler.num_preemptions >= 5, "the pool was meant to run dry"
+    assert llm.engine.manager.num_free_blocks == SMALL_POOL, "blocks leaked"
