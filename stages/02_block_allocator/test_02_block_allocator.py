@@ -2,14 +2,20 @@
 
 Run against any implementation with `pytest stages/02_block_allocator --impl ref|starter|yours.py`.
 The tests use only the public API (`num_blocks`, `num_free_blocks`, `allocate`, `free`); task 5
-proves the allocator equal to a plain model of the contract over random operation sequences.
+proves the allocator equal to a plain model of the contract over random operation sequences, and
+task 6 runs stage 03's engine on your allocator and demands the slab engine's tokens.
 """
 
 from __future__ import annotations
 
+import random
+
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from nanoserve import LLM, SamplingParams
 
 # derandomized: a learner sees the same examples on every run, so a grade never flickers
 GRADED = settings(
@@ -151,6 +157,78 @@ def test_task_5_any_sequence_of_operations_matches_the_stack_model(impl, num_blo
         assert allocator.num_free_blocks == len(model.free_stack)
 
 
-# ---- engine-level check (placeholder) ----
-# LEAD: once the stage-04 engine exists, add the graded test that plugs the learner's
-# BlockAllocator into the reference engine and asserts the same tokens as the reference.
+# ---- task 6: your allocator in the engine ----
+
+MAX_MODEL_LEN, BLOCK_SIZE, NUM_KV_BLOCKS = 96, 4, 32
+PROMPT_LENGTHS = [1, 3, 4, 5, 8, 9, 17, 60]  # around block boundaries, and one long prompt
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_folder(tmp_path_factory):
+    """A random Hugging Face Llama (hidden 64, 2 layers, 4 heads, 2 kv heads), float64, saved."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    transformers.LlamaForCausalLM(config).to(torch.float64).save_pretrained(folder)
+    return str(folder)
+
+
+def requests():
+    """Eight prompts; each generates 32 to 46 greedy tokens, so they finish at different steps."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in PROMPT_LENGTHS]
+    params = [SamplingParams(max_tokens=32 + 2 * i, ignore_eos=True) for i in range(len(prompts))]
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def slab_engine_tokens(tiny_llama_folder):
+    """The oracle: stage 01's engine, one contiguous slab per sequence, no blocks anywhere."""
+    llm = LLM(tiny_llama_folder, stage=1, device="cpu", dtype="float64",
+              max_model_len=MAX_MODEL_LEN)  # fmt: skip
+    return [out.token_ids for out in llm.generate(*requests(), use_tqdm=False)]
+
+
+def block_table_engine(folder, impl):
+    """Stage 03's engine (block tables, K/V at flat slots) drawing its blocks from your pool.
+
+    32 blocks of 4 tokens: admission reserves each request's worst case (prompt + max_tokens),
+    up to 24 blocks for the 60-token prompt, so at most a few requests run and the rest wait.
+    """
+    return LLM(folder, stage=3, device="cpu", dtype="float64",
+               components={"BlockAllocator": impl.BlockAllocator}, max_model_len=MAX_MODEL_LEN,
+               block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS)  # fmt: skip
+
+
+def test_task_6_the_block_table_engine_on_your_allocator_reproduces_the_slab_engine(
+    impl, tiny_llama_folder, slab_engine_tokens
+):
+    llm = block_table_engine(tiny_llama_folder, impl)
+    outputs = llm.generate(*requests(), use_tqdm=False)
+    for i, (out, expected) in enumerate(zip(outputs, slab_engine_tokens)):
+        assert out.token_ids == expected, f"request {i} ({PROMPT_LENGTHS[i]}-token prompt)"
+
+
+def test_task_6_under_engine_traffic_your_pool_counts_right_and_gets_every_block_back(
+    impl, tiny_llama_folder
+):
+    llm = block_table_engine(tiny_llama_folder, impl)
+    engine = llm.engine
+    allocator = engine.manager.allocator  # your BlockAllocator, the one the engine built
+    for prompt, params in zip(*requests()):
+        engine.add_request(prompt, params)
+    num_steps_with_a_queue = 0
+    while engine.has_unfinished():  # what LLM.generate does, one step at a time
+        engine.step()
+        held = [b for table in engine.manager.tables.values() for b in table.block_ids]
+        assert len(set(held)) == len(held), f"one block handed to two sequences: {sorted(held)}"
+        assert allocator.num_free_blocks == NUM_KV_BLOCKS - len(held)
+        num_steps_with_a_queue += bool(engine.scheduler.waiting)
+    assert allocator.num_free_blocks == NUM_KV_BLOCKS, "every finished request frees its blocks"
+    assert num_steps_with_a_queue > 0, "with 32 blocks, some requests must have waited"

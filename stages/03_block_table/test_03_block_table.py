@@ -4,15 +4,20 @@ Run against any implementation with `pytest stages/03_block_table --impl ref|sta
 Every table here draws from the reference allocator of stage 02, so block ids are predictable
 (a fresh pool gives 0, 1, 2, ...; the last id freed comes back first). Task 5's equivalence is
 the stage's headline: growing one token at a time lands on the same blocks and slots as one bulk
-append, so decode and prefill write the same token to the same address.
+append, so decode and prefill write the same token to the same address. Task 6 runs stage 03's
+engine with your table and demands the slab engine's tokens.
 """
 
 from __future__ import annotations
 
+import random
+
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from nanoserve import LLM, SamplingParams
 from nanoserve.cache.allocator import BlockAllocator, OutOfBlocks
 
 # derandomized: a learner sees the same examples on every run, so a grade never flickers
@@ -201,6 +206,82 @@ def test_task_5_any_split_of_the_growth_lands_on_the_same_blocks_and_slots(
     assert len(in_one_go.block_ids) == -(-sum(chunks) // block_size)  # ceil: none held early
 
 
-# ---- engine-level check (placeholder) ----
-# LEAD: once the stage-04 engine exists, add the graded test that plugs the learner's BlockTable
-# into the reference engine and asserts the same tokens as the reference.
+# ---- task 6: your table in the engine ----
+
+MAX_MODEL_LEN, BLOCK_SIZE, NUM_KV_BLOCKS = 96, 4, 32
+PROMPT_LENGTHS = [1, 3, 4, 5, 8, 9, 17, 60]  # around block boundaries, and one long prompt
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_folder(tmp_path_factory):
+    """A random Hugging Face Llama (hidden 64, 2 layers, 4 heads, 2 kv heads), float64, saved."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    transformers.LlamaForCausalLM(config).to(torch.float64).save_pretrained(folder)
+    return str(folder)
+
+
+def requests():
+    """Eight prompts; each generates 32 to 46 greedy tokens, so they finish at different steps."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in PROMPT_LENGTHS]
+    params = [SamplingParams(max_tokens=32 + 2 * i, ignore_eos=True) for i in range(len(prompts))]
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def slab_engine_tokens(tiny_llama_folder):
+    """The oracle: stage 01's engine, one contiguous slab per sequence, no blocks anywhere."""
+    llm = LLM(tiny_llama_folder, stage=1, device="cpu", dtype="float64",
+              max_model_len=MAX_MODEL_LEN)  # fmt: skip
+    return [out.token_ids for out in llm.generate(*requests(), use_tqdm=False)]
+
+
+def block_table_engine(folder, impl):
+    """Stage 03's engine with your BlockTable class: one table per running sequence.
+
+    32 blocks of 4 tokens: admission reserves each request's worst case (prompt + max_tokens),
+    so a few requests run at a time, and finished ones leave the free list scattered for the
+    next; every token's K/V is written to, and read back from, the slot your table returns.
+    """
+    return LLM(folder, stage=3, device="cpu", dtype="float64",
+               components={"BlockTable": impl.BlockTable}, max_model_len=MAX_MODEL_LEN,
+               block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS)  # fmt: skip
+
+
+def test_task_6_the_block_table_engine_on_your_table_reproduces_the_slab_engine(
+    impl, tiny_llama_folder, slab_engine_tokens
+):
+    llm = block_table_engine(tiny_llama_folder, impl)
+    outputs = llm.generate(*requests(), use_tqdm=False)
+    for i, (out, expected) in enumerate(zip(outputs, slab_engine_tokens)):
+        assert out.token_ids == expected, f"request {i} ({PROMPT_LENGTHS[i]}-token prompt)"
+
+
+def test_task_6_under_engine_traffic_your_tables_grow_lazily_and_give_every_block_back(
+    impl, tiny_llama_folder
+):
+    llm = block_table_engine(tiny_llama_folder, impl)
+    engine = llm.engine
+    for prompt, params in zip(*requests()):
+        engine.add_request(prompt, params)
+    num_scattered = 0
+    while engine.has_unfinished():  # what LLM.generate does, one step at a time
+        engine.step()
+        for seq in engine.scheduler.running:
+            table = engine.manager.tables[seq.seq_id]  # your BlockTable for this sequence
+            assert table.num_tokens == seq.num_cached_tokens, "one table token per stored K/V"
+            assert len(table.block_ids) == -(-table.num_tokens // BLOCK_SIZE), table.block_ids
+            first = table.block_ids[0]
+            num_scattered += table.block_ids != list(range(first, first + len(table.block_ids)))
+        held = [b for t in engine.manager.tables.values() for b in t.block_ids]
+        assert len(set(held)) == len(held), f"one block held by two tables: {sorted(held)}"
+    assert engine.manager.allocator.num_free_blocks == NUM_KV_BLOCKS, "free() returns every block"
+    assert num_scattered > 0, "reuse must have scattered some table across the pool"
