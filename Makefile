@@ -5,6 +5,7 @@ BIN := $(VENV)/bin
 QUESTION ?= What is the capital of France? Answer in one sentence.
 # Triton kernels (stage 05+) run on the CPU through the interpreter.
 export TRITON_INTERPRET := 1
+export NO_MKDOCS_2_WARNING := 1
 
 .PHONY: demo test lint docs pytest notebooks bench clean
 

@@ -41,7 +41,8 @@ PRESETS: dict[str, dict] = {
         "model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 16, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "max_position_embeddings": 4096, "tie_word_embeddings": True, "eos_token_id": 2,
+        "max_position_embeddings": 4096, "tie_word_embeddings": True, "bos_token_id": 1,
+        "eos_token_id": 2,
     },
 }  # fmt: skip
 
