@@ -60,3 +60,11 @@ def impl(request):
         except grading.ImplementationError as err:
             pytest.fail(str(err), pytrace=False)
     return _LOADED[key]
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_folder(tmp_path_factory):
+    """A tiny random Llama checkpoint (float64, saved with save_pretrained) shared by all tests."""
+    from nanoserve.testing import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")

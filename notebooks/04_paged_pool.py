@@ -30,9 +30,10 @@ import random
 import tempfile
 
 import torch
-import transformers
+
 
 from nanoserve import LLM, SamplingParams, grading
+from nanoserve.testing import save_tiny_model
 
 # What to run: "ref" (the reference in src/nanoserve), "starter" (the stage's starter.py), a path
 # to your own .py file (absolute, or relative to this notebook's folder) or a dotted module name:
@@ -51,19 +52,7 @@ print(f"stage-04 pieces from {IMPL!r}: {', '.join(components)}")
 # arithmetic must agree token for token.
 
 # %%
-torch.manual_seed(0)
-config = transformers.LlamaConfig(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    tie_word_embeddings=False,
-)
-folder = tempfile.mkdtemp(prefix="nanoserve-nb04-")
-transformers.LlamaForCausalLM(config).to(torch.float64).save_pretrained(folder)
+folder = save_tiny_model(tempfile.mkdtemp(prefix="nanoserve-nb04-"), "llama")
 
 BLOCK_SIZE, NUM_BLOCKS, MAX_MODEL_LEN = 4, 24, 64
 llm = LLM(

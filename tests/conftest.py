@@ -9,33 +9,10 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-import torch
 
-TINY_SHAPE = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-)
-TINY_FAMILIES = ("llama", "qwen2", "qwen3")
+from nanoserve.testing import TINY_FAMILIES, tiny_hf_model
 
-
-def build_tiny_hf_model(family: str, seed: int = 0):
-    """A random transformers model of the family, float64, eval mode."""
-    import transformers as tf
-
-    classes = {
-        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, {"tie_word_embeddings": False}),
-        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, {"tie_word_embeddings": True}),
-        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, {"head_dim": 32}),
-    }
-    config_cls, model_cls, extra = classes[family]
-    torch.manual_seed(seed)
-    config = config_cls(**TINY_SHAPE, **extra)
-    return model_cls(config).to(torch.float64).eval()
+__all__ = ["TINY_FAMILIES", "needs_smollm2"]
 
 
 @pytest.fixture(scope="session")
@@ -43,7 +20,7 @@ def tiny_checkpoints(tmp_path_factory):
     """{family: (folder, hf_model)} saved with save_pretrained, loaded by nanoserve's loader."""
     out = {}
     for family in TINY_FAMILIES:
-        model = build_tiny_hf_model(family)
+        model = tiny_hf_model(family)
         folder = tmp_path_factory.mktemp(f"tiny-{family}")
         model.save_pretrained(folder)
         out[family] = (folder, model)

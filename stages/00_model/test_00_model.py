@@ -14,6 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from nanoserve.testing import tiny_hf_model
+
 
 @pytest.fixture(autouse=True)
 def _fixed_seed():
@@ -76,15 +78,7 @@ def support_of(probs):
 @pytest.fixture(scope="module")
 def tiny_llama():
     """A random Hugging Face Llama (hidden 64, 2 layers, 4 heads, 2 kv heads) in float64."""
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        tie_word_embeddings=False, attn_implementation="eager",
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config).to(torch.float64).eval()
+    return tiny_hf_model("llama")
 
 
 # ---- task 1: RMSNorm ----

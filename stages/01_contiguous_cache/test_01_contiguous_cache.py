@@ -183,22 +183,6 @@ ENGINE_SLABS = 3
 PROMPT_LENGTHS = [1, 3, 4, 5, 8, 9, 17, 60]  # eight requests for three slabs
 
 
-@pytest.fixture(scope="module")
-def tiny_llama_folder(tmp_path_factory):
-    """A random Hugging Face Llama (hidden 64, 2 layers, 4 heads, 2 kv heads), float64, saved."""
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    transformers.LlamaForCausalLM(config).to(torch.float64).save_pretrained(folder)
-    return str(folder)
-
-
 def requests() -> tuple[list[list[int]], list[SamplingParams]]:
     """Eight prompts of different lengths; each generates 32 to 46 greedy tokens.
 

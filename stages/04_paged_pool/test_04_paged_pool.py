@@ -403,31 +403,17 @@ SMALL_POOL = 18  # the longest request needs ceil((30 + 32) / 4) = 16 of them
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    """A random Hugging Face Llama (hidden 64, 2 layers, 4 heads, 2 kv heads), float64, saved."""
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    folder = tmp_path_factory.mktemp("tiny-llama-04")
-    transformers.LlamaForCausalLM(config).to(torch.float64).save_pretrained(folder)
-    return str(folder)
-
-
-@pytest.fixture(scope="module")
 def prompts():
     rng = random.Random(4)
     return [[rng.randrange(256) for _ in range(n)] for n in PROMPT_LENS]
 
 
 @pytest.fixture(scope="module")
-def stage_01_tokens(tiny_llama, prompts):
+def stage_01_tokens(tiny_llama_folder, prompts):
     """The reference of the chain: stage 01's contiguous slabs, greedy, to MAX_TOKENS each."""
-    llm = LLM(tiny_llama, stage=1, device="cpu", dtype="float64", max_model_len=MAX_MODEL_LEN)
+    llm = LLM(
+        tiny_llama_folder, stage=1, device="cpu", dtype="float64", max_model_len=MAX_MODEL_LEN
+    )
     return [o.token_ids for o in llm.generate(prompts, params(), use_tqdm=False)]
 
 
@@ -459,26 +445,28 @@ def run_checked(llm, prompts, num_kv_blocks) -> list[list[int]]:
 
 @pytest.mark.parametrize("piece", API)
 def test_task_6_each_piece_alone_in_the_reference_engine_gives_stage_01_tokens(
-    impl, tiny_llama, prompts, stage_01_tokens, piece
+    impl, tiny_llama_folder, prompts, stage_01_tokens, piece
 ):
-    llm = paged_llm(tiny_llama, {piece: getattr(impl, piece)}, num_kv_blocks=1000)
+    llm = paged_llm(tiny_llama_folder, {piece: getattr(impl, piece)}, num_kv_blocks=1000)
     got = [o.token_ids for o in llm.generate(prompts, params(), use_tqdm=False)]
     assert got == stage_01_tokens
 
 
 def test_task_6_all_pieces_with_a_large_pool_give_stage_01_tokens_and_free_every_block(
-    impl, tiny_llama, prompts, stage_01_tokens
+    impl, tiny_llama_folder, prompts, stage_01_tokens
 ):
-    llm = paged_llm(tiny_llama, {name: getattr(impl, name) for name in API}, num_kv_blocks=1000)
+    llm = paged_llm(
+        tiny_llama_folder, {name: getattr(impl, name) for name in API}, num_kv_blocks=1000
+    )
     assert run_checked(llm, prompts, 1000) == stage_01_tokens
     assert llm.engine.scheduler.num_preemptions == 0
     assert llm.engine.manager.num_free_blocks == 1000
 
 
 def test_task_6_a_pool_so_small_it_preempts_still_gives_stage_01_tokens(
-    impl, tiny_llama, prompts, stage_01_tokens
+    impl, tiny_llama_folder, prompts, stage_01_tokens
 ):
-    llm = paged_llm(tiny_llama, {name: getattr(impl, name) for name in API}, SMALL_POOL)
+    llm = paged_llm(tiny_llama_folder, {name: getattr(impl, name) for name in API}, SMALL_POOL)
     assert run_checked(llm, prompts, SMALL_POOL) == stage_01_tokens
     assert llm.engine.scheduler.num_preemptions >= 5, "the pool was meant to run dry"
     assert llm.engine.manager.num_free_blocks == SMALL_POOL, "blocks leaked"
