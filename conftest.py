@@ -68,3 +68,13 @@ def tiny_llama_folder(tmp_path_factory):
     from nanoserve.testing import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def slab_engine_tokens(tiny_llama_folder):
+    """Stage 01's tokens for `nanoserve.testing.engine_requests()`: the engine-level oracle."""
+    from nanoserve.testing import ENGINE_MAX_MODEL_LEN, engine_requests, greedy_token_ids
+
+    return greedy_token_ids(
+        tiny_llama_folder, 1, engine_requests(), max_model_len=ENGINE_MAX_MODEL_LEN
+    )

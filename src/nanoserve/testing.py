@@ -8,6 +8,7 @@ time.
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import torch
@@ -45,3 +46,26 @@ def save_tiny_model(folder: str | Path, family: str = "llama", seed: int = 0) ->
     """Save a tiny random checkpoint into folder; returns the folder as a string."""
     tiny_hf_model(family, seed).save_pretrained(folder)
     return str(folder)
+
+
+ENGINE_PROMPT_LENGTHS = (1, 3, 4, 5, 8, 9, 17, 60)  # around block boundaries, and one long prompt
+ENGINE_MAX_MODEL_LEN = 96
+
+
+def engine_requests(lengths=ENGINE_PROMPT_LENGTHS, vocab_size: int = 256, seed: int = 0):
+    """(prompts, params): random prompts of these lengths; request i asks for 32 + 2i greedy
+    tokens, so requests finish at different steps."""
+    from nanoserve.sampling import SamplingParams
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab_size) for _ in range(n)] for n in lengths]
+    params = [SamplingParams(max_tokens=32 + 2 * i, ignore_eos=True) for i in range(len(lengths))]
+    return prompts, params
+
+
+def greedy_token_ids(folder: str, stage: int, requests, **engine_options) -> list[list[int]]:
+    """Token ids the engine of `stage` generates for (prompts, params) in float64 on the CPU."""
+    from nanoserve.llm import LLM
+
+    llm = LLM(folder, stage=stage, device="cpu", dtype="float64", **engine_options)
+    return [out.token_ids for out in llm.generate(*requests, use_tqdm=False)]

@@ -8,13 +8,12 @@ task 6 runs stage 03's engine on your allocator and demands the slab engine's to
 
 from __future__ import annotations
 
-import random
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nanoserve import LLM, SamplingParams
+from nanoserve import LLM
+from nanoserve.testing import ENGINE_MAX_MODEL_LEN, ENGINE_PROMPT_LENGTHS, engine_requests
 
 # derandomized: a learner sees the same examples on every run, so a grade never flickers
 GRADED = settings(
@@ -158,24 +157,11 @@ def test_task_5_any_sequence_of_operations_matches_the_stack_model(impl, num_blo
 
 # ---- task 6: your allocator in the engine ----
 
-MAX_MODEL_LEN, BLOCK_SIZE, NUM_KV_BLOCKS = 96, 4, 32
-PROMPT_LENGTHS = [1, 3, 4, 5, 8, 9, 17, 60]  # around block boundaries, and one long prompt
-
-
-def requests():
-    """Eight prompts; each generates 32 to 46 greedy tokens, so they finish at different steps."""
-    rng = random.Random(0)
-    prompts = [[rng.randrange(256) for _ in range(n)] for n in PROMPT_LENGTHS]
-    params = [SamplingParams(max_tokens=32 + 2 * i, ignore_eos=True) for i in range(len(prompts))]
-    return prompts, params
-
-
-@pytest.fixture(scope="module")
-def slab_engine_tokens(tiny_llama_folder):
-    """The oracle: stage 01's engine, one contiguous slab per sequence, no blocks anywhere."""
-    llm = LLM(tiny_llama_folder, stage=1, device="cpu", dtype="float64",
-              max_model_len=MAX_MODEL_LEN)  # fmt: skip
-    return [out.token_ids for out in llm.generate(*requests(), use_tqdm=False)]
+# eight requests around block boundaries, 32 to 46 greedy tokens each; the oracle is the
+# `slab_engine_tokens` fixture (conftest.py): stage 01's engine, no blocks anywhere
+MAX_MODEL_LEN, BLOCK_SIZE, NUM_KV_BLOCKS = ENGINE_MAX_MODEL_LEN, 4, 32
+PROMPT_LENGTHS = ENGINE_PROMPT_LENGTHS
+requests = engine_requests
 
 
 def block_table_engine(folder, impl):
