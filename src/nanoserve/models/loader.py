@@ -1,7 +1,8 @@
 """Loaders: a name or path in, a `CausalLM` with weights and its tokenizer out.
 
 Introduced in stage 00. Reads a Hugging Face folder (`config.json` + `*.safetensors`, sharded or
-not) or a GGUF file (`models/gguf.py`), or a known name from the registry. It never downloads.
+not) or a GGUF file (`models/gguf.py`), or a known name from the registry; a preset name builds a
+random-weight model of a real shape (`models/presets.py`). It never downloads.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.decoder import CausalLM
+from nanoserve.models.presets import PRESETS, random_model
 from nanoserve.models.registry import KNOWN_MODELS, known_model_path
 
 
@@ -36,14 +38,20 @@ def resolve_model_path(model: str | Path) -> Path:
     path = Path(model)
     if not path.exists():
         raise ValueError(
-            f"model {str(model)!r} is neither a known model name ({', '.join(KNOWN_MODELS)}) "
-            "nor an existing file or folder"
+            f"model {str(model)!r} is neither a known model name ({', '.join(KNOWN_MODELS)}), "
+            f"a random-weight preset ({', '.join(PRESETS)}), nor an existing file or folder"
         )
     return path
 
 
 def load_model(model: str | Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
-    """Load weights and tokenizer from a known name, a GGUF file or a safetensors folder."""
+    """Load weights and tokenizer from a known name, a GGUF file or a safetensors folder.
+
+    A preset name (`qwen3-0.6b`, ...) builds that shape with random weights and no tokenizer,
+    for benchmarks that need no weight files.
+    """
+    if isinstance(model, str) and model in PRESETS:
+        return LoadedModel(random_model(model, device, dtype), None, Path(model))
     path = resolve_model_path(model)
     if path.is_dir():
         hf_config, state_dict, tokenizer = read_hf_folder(path)
