@@ -1,4 +1,4 @@
-"""The `nanoserve` command: generate, chat, stages, check.
+"""The `nanoserve` command: generate, chat, stages, check, bench.
 
 Introduced in stage 00 (`check` in stage 01-03's harness, `bench` in stage 04). Each subcommand
 is a thin wrapper over the Python API; argument errors name the argument and what was expected.
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+
+from nanoserve.bench import add_bench_parser
 
 DEFAULT_QUESTION = "What is the capital of France? Answer in one sentence."
 
@@ -60,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="grade an implementation of one stage")
     check.add_argument("stage", type=int)
     check.add_argument("--impl", default="ref", help="ref, starter, a .py path or a module")
+    add_bench_parser(sub)
     return parser
 
 
@@ -143,7 +146,14 @@ def cmd_check(args) -> int:
     return run_check(args.stage, args.impl)
 
 
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "stages": cmd_stages, "check": cmd_check}
+def cmd_bench(args) -> int:
+    from nanoserve.bench import run_bench
+
+    return run_bench(args)
+
+
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "stages": cmd_stages,
+            "check": cmd_check, "bench": cmd_bench}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,6 +42,14 @@ class EngineConfig:
         )
 
 
+def engine_config_for(model_config, **options) -> EngineConfig:
+    """EngineConfig with defaults that depend on the model: max_model_len at most 4096 (or the
+    model's own limit), and a prefill budget that always fits one max_model_len prompt."""
+    options.setdefault("max_model_len", min(model_config.max_position_embeddings, 4096))
+    options.setdefault("max_num_batched_tokens", max(8192, options["max_model_len"]))
+    return EngineConfig(**options)
+
+
 def _require(ok: bool, name: str, value, allowed: str) -> None:
     if not ok:
         raise ValueError(f"EngineConfig.{name} = {value!r} is invalid; expected {allowed}")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from nanoserve.config import EngineConfig
+from nanoserve.config import engine_config_for
 from nanoserve.engine.builders import build_engine
 from nanoserve.models.loader import load_model
 from nanoserve.models.registry import DEFAULT_MODEL
@@ -67,12 +67,7 @@ class LLM:
         self.dtype = resolve_dtype(dtype, self.device)
         loaded = load_model(model, self.device, self.dtype)
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
-        model_config = self.model.config
-        engine_options.setdefault("max_model_len", min(model_config.max_position_embeddings, 4096))
-        engine_options.setdefault(
-            "max_num_batched_tokens", max(8192, engine_options["max_model_len"])
-        )
-        self.config = EngineConfig(**engine_options)
+        self.config = engine_config_for(self.model.config, **engine_options)
         self.engine = build_engine(
             self.stage.number, self.config, self.model, self.eos_ids(), components
         )

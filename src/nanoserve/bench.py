@@ -1,0 +1,248 @@
+"""`nanoserve bench`: nano-vLLM's throughput workload on the engines of one or more stages.
+
+Introduced in stage 04. It times whole runs (prefill included), optionally beside transformers
+(`bench_hf.py`), and asserts nothing: tests prove the engine right, this measures its speed.
+torch is imported inside functions so that building the CLI's parser stays quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import time
+from typing import NamedTuple
+
+from nanoserve.config import EngineConfig, engine_config_for
+from nanoserve.stages import latest_stage, require_implemented
+
+TOKEN_ID_HIGH = 10000  # nano-vLLM draws prompt ids in 0..10000
+MIN_LEN = 100  # lengths are uniform in 100..max, as nano-vLLM's are (1..max when max < 100)
+WARMUP_PROMPT_LEN, WARMUP_MAX_TOKENS = 16, 8
+
+
+class Workload(NamedTuple):
+    """The requests of one benchmark: prompt ids and each request's max_tokens."""
+
+    prompt_token_ids: list[list[int]]
+    max_tokens: list[int]
+
+    def fold_ids(self, vocab_size: int) -> Workload:
+        """The same requests with ids taken modulo vocab_size (only models of <= 10000 ids)."""
+        folded = [[t % vocab_size for t in p] for p in self.prompt_token_ids]
+        return self if vocab_size > TOKEN_ID_HIGH else self._replace(prompt_token_ids=folded)
+
+
+class BenchResult(NamedTuple):
+    """One engine's timed run."""
+
+    engine: str
+    output_tokens: int
+    seconds: float
+    preemptions: int | None  # None for engines that do not report it
+    note: str | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Output tokens per second of wall-clock time."""
+        return self.output_tokens / self.seconds
+
+
+def make_workload(num_seqs=256, max_input_len=1024, max_output_len=1024, seed=0) -> Workload:
+    """nano-vLLM's bench requests: all prompts are drawn first, then all max_tokens."""
+    rng = random.Random(seed)  # the same stream as nano-vLLM's random.seed(0) + randint
+    low_in, low_out = (MIN_LEN if n >= MIN_LEN else 1 for n in (max_input_len, max_output_len))
+    prompts = [[rng.randint(0, TOKEN_ID_HIGH) for _ in range(rng.randint(low_in, max_input_len))]
+               for _ in range(num_seqs)]  # fmt: skip
+    max_tokens = [rng.randint(low_out, max_output_len) for _ in range(num_seqs)]
+    return Workload(prompts, max_tokens)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return int(text)
+
+
+def stage_list(text: str) -> list[int]:
+    """argparse type: one stage number or a comma list (`4`, `1,4`)."""
+    return [int(part) for part in text.split(",")]  # argparse reports a ValueError
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the `bench` subcommand and its options to the CLI's subparsers."""
+    from nanoserve.cli import add_engine_args  # here, not at the top: the CLI imports this module
+
+    p = subparsers.add_parser("bench", help="throughput on nano-vLLM's workload")
+    p.add_argument("--num-seqs", type=positive_int, default=256)
+    p.add_argument("--max-input-len", type=positive_int, default=1024)
+    p.add_argument("--max-output-len", type=positive_int, default=1024)
+    p.add_argument("--first", type=positive_int, default=None, metavar="N",
+                   help="time only the first N requests of the --num-seqs workload")  # fmt: skip
+    p.add_argument("--model", default="smollm2", help="known name, file, folder, or preset")
+    p.add_argument("--stage", type=stage_list, action="append", help="N, N,M, or repeated")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"])
+    p.add_argument("--compare", choices=["hf"], default=None, help="also time transformers")
+    p.add_argument("--hf-batch-size", type=positive_int, default=None, help="CPU: default all")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
+    add_engine_args(p)
+    return p
+
+
+def checked_stages(args) -> list[int]:
+    """The stage numbers asked for, each implemented; ValueError naming --stage otherwise."""
+    numbers = [n for group in args.stage or [[latest_stage().number]] for n in group]
+    for n in numbers:
+        try:
+            require_implemented(n)
+        except ValueError as err:
+            raise ValueError(f"--stage: {err}") from None
+    return list(dict.fromkeys(numbers))  # drop repeats, keep order
+
+
+def load_bench_model(args):
+    """The --model on the --device in the --dtype (defaults as `LLM` picks them)."""
+    import torch
+
+    from nanoserve.llm import resolve_device, resolve_dtype
+    from nanoserve.models.loader import load_model
+
+    try:
+        device = resolve_device(args.device)
+    except RuntimeError:
+        raise ValueError(f"--device: {args.device!r} is not a torch device (cpu, cuda)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device: cuda was asked for but torch sees no CUDA GPU")
+    try:  # a preset name builds random weights (models/presets.py)
+        return load_model(args.model, device, resolve_dtype(args.dtype, device)).model
+    except ValueError as err:
+        raise ValueError(f"--model: {err}") from None
+
+
+def engine_config(args, model_config, workload: Workload) -> EngineConfig:
+    """EngineConfig from the options, with `LLM`'s defaults; every request must fit."""
+    from nanoserve.cli import engine_options
+
+    try:
+        config = engine_config_for(model_config, **engine_options(args))
+    except ValueError as err:
+        field = str(err).split()[0].removeprefix("EngineConfig.")
+        raise ValueError(f"--{field.replace('_', '-')}: {err}") from None
+    longest = max(len(p) + m for p, m in zip(*workload))
+    if longest > config.max_model_len:
+        raise ValueError(f"--max-model-len: the longest request needs {longest} tokens "
+                         f"(prompt + max_tokens), more than max_model_len {config.max_model_len}; "
+                         "lower --max-input-len or --max-output-len")  # fmt: skip
+    return config
+
+
+def timer(device) -> float:
+    """perf_counter() after queued GPU work is done, so a time covers the work, not its launch."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def release_memory(device) -> None:
+    """Return freed cache memory, so the next engine sizes its KV pool from what is free."""
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def drive(engine, prompts: list[list[int]], params: list) -> list:
+    """Queue every request and step until all finish (what `LLM.generate` does, minus text)."""
+    seqs = [engine.add_request(ids, p) for ids, p in zip(prompts, params)]
+    while engine.has_unfinished():
+        engine.step()
+    return seqs
+
+
+def run_nanoserve(model, stage: int, config: EngineConfig, workload: Workload) -> BenchResult:
+    """Build the stage's engine on `model`, warm it up, and time the whole workload."""
+    from nanoserve.engine.builders import build_engine
+    from nanoserve.sampling import SamplingParams
+
+    device = next(model.parameters()).device
+    engine = build_engine(stage, config, model, model.config.eos_token_ids)
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m)
+              for m in [WARMUP_MAX_TOKENS, *workload.max_tokens]]  # fmt: skip
+    drive(engine, [workload.prompt_token_ids[0][:WARMUP_PROMPT_LEN]], params[:1])  # warm-up
+    preemptions_before = engine.scheduler.num_preemptions
+    start = timer(device)
+    seqs = drive(engine, workload.prompt_token_ids, params[1:])
+    seconds = timer(device) - start
+    preemptions = engine.scheduler.num_preemptions - preemptions_before
+    output_tokens = sum(seq.num_completion_tokens for seq in seqs)
+    del engine, seqs
+    release_memory(device)
+    return BenchResult(f"nanoserve stage {stage}", output_tokens, seconds, preemptions)
+
+
+def describe(args, model, config: EngineConfig, workload: Workload) -> list[str]:
+    """The header lines: what ran where, the engine's limits, and the workload."""
+    import torch
+
+    device, dtype = next(model.parameters()).device, str(model.dtype).removeprefix("torch.")
+    where = f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
+    if device.type == "cuda":
+        where = torch.cuda.get_device_name(device)
+    lens, max_tokens = [len(p) for p in workload.prompt_token_ids], workload.max_tokens
+    return [f"device {where}, dtype {dtype}, model {args.model}",
+            f"engine: max_num_seqs {config.max_num_seqs}, max_num_batched_tokens "
+            f"{config.max_num_batched_tokens}, max_model_len {config.max_model_len}",
+            f"workload: {len(lens)} requests, prompts {min(lens)}..{max(lens)} tokens "
+            f"({sum(lens):,} in all), max_tokens {min(max_tokens)}..{max(max_tokens)} "
+            f"({sum(max_tokens):,} in all), temperature 0.6, ignore_eos"]  # fmt: skip
+
+
+def format_table(results: list[BenchResult]) -> list[str]:
+    """One row per engine; the last column is throughput relative to the first row."""
+    lines = [f"{'engine':<34} {'output tok':>10} {'seconds':>9} {'tok/s':>9} "
+             f"{'preempt':>8} {'vs first':>9}"]  # fmt: skip
+    for r in results:
+        preempt = "-" if r.preemptions is None else str(r.preemptions)
+        ratio = r.tokens_per_s / results[0].tokens_per_s
+        lines.append(f"{r.engine:<34} {r.output_tokens:>10,} {r.seconds:>9.2f} "
+                     f"{r.tokens_per_s:>9.1f} {preempt:>8} {ratio:>8.2f}x")  # fmt: skip
+    return lines + [f"note: {r.note}" for r in results if r.note]
+
+
+def write_json(path: str, header: list[str], args, results: list[BenchResult]) -> None:
+    """The run as JSON: header lines, options (stages flattened), and one record per engine."""
+    records = [dict(r._asdict(), tokens_per_s=r.tokens_per_s,
+                    ratio=r.tokens_per_s / results[0].tokens_per_s) for r in results]  # fmt: skip
+    options = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
+    options["stage"] = checked_stages(args)
+    with open(path, "w") as f:
+        json.dump({"header": header, "options": options, "results": records}, f, indent=2)
+
+
+def run_bench(args) -> int:
+    """Run the benchmark the options describe, print the table (and write JSON); returns 0."""
+    stages = checked_stages(args)
+    model = load_bench_model(args)
+    workload = make_workload(args.num_seqs, args.max_input_len, args.max_output_len)
+    if args.first is not None:  # e.g. the first 64 of the full 256, like DESIGN's HF anchor
+        workload = Workload(*(column[: args.first] for column in workload))
+    workload = workload.fold_ids(model.config.vocab_size)
+    config = engine_config(args, model.config, workload)
+    header = describe(args, model, config, workload)
+    print("\n".join(header), flush=True)
+    results = [run_nanoserve(model, stage, config, workload) for stage in stages]
+    if args.compare == "hf":
+        from nanoserve.bench_hf import run_transformers
+
+        results.append(run_transformers(args.model, model, workload, args.hf_batch_size))
+    print("\n".join(format_table(results)))
+    if args.json:
+        write_json(args.json, header, args, results)
+    return 0

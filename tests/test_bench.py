@@ -1,0 +1,139 @@
+"""`nanoserve bench`: the workload is nano-vLLM's, the options are checked, a tiny run compares.
+
+Nothing here times anything: the numbers the benchmark prints are never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from nanoserve.bench import add_bench_parser, checked_stages, make_workload, run_bench
+from nanoserve.models.config import ModelConfig
+from nanoserve.models.presets import PRESETS, init_random_weights, preset_config, random_model
+
+TINY_RUN = ["--model", "tiny-llama", "--device", "cpu", "--num-seqs", "3",
+            "--max-input-len", "24", "--max-output-len", "6"]  # fmt: skip
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    """The bench options as the `nanoserve` CLI parses them."""
+    parser = argparse.ArgumentParser(prog="nanoserve")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["bench", *argv])
+
+
+def test_full_workload_is_nano_vllms_133966_output_tokens():
+    workload = make_workload()
+    assert len(workload.prompt_token_ids) == len(workload.max_tokens) == 256
+    assert sum(workload.max_tokens) == 133_966
+    assert sum(len(p) for p in workload.prompt_token_ids) == 142_827
+
+
+def test_workload_is_the_same_on_every_call():
+    assert make_workload(16, 256, 64) == make_workload(16, 256, 64)
+
+
+def test_scaled_workload_keeps_lengths_and_ids_in_their_ranges():
+    workload = make_workload(num_seqs=16, max_input_len=256, max_output_len=64)
+    assert len(workload.prompt_token_ids) == 16
+    assert all(100 <= len(p) <= 256 for p in workload.prompt_token_ids)
+    assert all(1 <= m <= 64 for m in workload.max_tokens)  # a maximum below 100 starts at 1
+    assert all(0 <= t <= 10_000 for p in workload.prompt_token_ids for t in p)
+
+
+def test_small_vocabularies_get_the_ids_folded_into_range():
+    workload = make_workload(4, 64, 8)
+    folded = workload.fold_ids(512)
+    assert all(0 <= t < 512 for p in folded.prompt_token_ids for t in p)
+    assert [len(p) for p in folded.prompt_token_ids] == [len(p) for p in workload[0]]
+    assert workload.fold_ids(49152) == workload
+
+
+def test_stage_option_takes_comma_lists_and_repeats():
+    assert checked_stages(parse("--stage", "1,4", "--stage", "3", "--stage", "4")) == [1, 4, 3]
+
+
+def test_presets_have_the_real_models_shapes():
+    qwen = ModelConfig.from_hf_dict(preset_config("qwen3-0.6b"))
+    assert (qwen.model_type, qwen.num_hidden_layers, qwen.head_dim, qwen.qk_norm) == (
+        "qwen3", 28, 128, True)  # fmt: skip
+    assert qwen.eos_token_ids == (151645,) and qwen.tie_word_embeddings
+    smol = ModelConfig.from_hf_dict(preset_config("smollm2-135m"))
+    assert (smol.hidden_size, smol.num_key_value_heads, smol.vocab_size) == (576, 3, 49152)
+    llama = ModelConfig.from_hf_dict(preset_config("llama-3.2-1b"))
+    assert llama.rope_scaling["rope_type"] == "llama3" and llama.rope_theta == 500000.0
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_transformers_reads_each_preset_as_the_same_shape(name):
+    import transformers
+
+    hf_config = transformers.AutoConfig.for_model(**preset_config(name))
+    theirs = ModelConfig.from_hf_dict(hf_config.to_dict())
+    ours = ModelConfig.from_hf_dict(preset_config(name))
+    if ours.rope_scaling:  # transformers 5 folds rope_theta into its copy of the scaling dict
+        assert {**ours.rope_scaling, "rope_theta": ours.rope_theta} == theirs.rope_scaling
+        theirs = dataclasses.replace(theirs, rope_scaling=ours.rope_scaling)
+    assert theirs == ours
+
+
+def test_random_weights_are_small_seeded_and_leave_norms_at_one():
+    model = random_model("tiny-llama", "cpu", torch.float32, seed=3)
+    again = random_model("tiny-llama", "cpu", torch.float32, seed=3)
+    for (name, p), q in zip(model.named_parameters(), again.parameters()):
+        assert torch.equal(p, q), name
+    assert torch.all(model.model.norm.weight == 1)
+    std = model.model.layers[0].mlp.up_proj.weight.std().item()
+    assert 0.015 < std < 0.025
+    init_random_weights(again, seed=4)
+    assert not torch.equal(model.lm_head.weight, again.lm_head.weight)
+
+
+def test_transformers_twin_of_a_preset_has_nanoserves_weights():
+    from nanoserve.bench_hf import hf_twin
+
+    model = random_model("tiny-llama", "cpu", torch.float64)
+    twin = hf_twin("tiny-llama", model, torch.device("cpu"), torch.float64)
+    theirs = twin.state_dict()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, theirs[name]), name
+
+
+def test_tiny_bench_compares_nanoserve_with_transformers(tmp_path, capsys):
+    out_file = tmp_path / "bench.json"
+    assert run_bench(parse(*TINY_RUN, "--compare", "hf", "--json", str(out_file))) == 0
+    out = capsys.readouterr().out
+    assert "nanoserve stage 4" in out and "transformers generate (padded)" in out
+    assert "1.00x" in out and "only those are counted" in out
+    report = json.loads(out_file.read_text())
+    asked = sum(make_workload(3, 24, 6).max_tokens)
+    assert [r["output_tokens"] for r in report["results"]] == [asked, asked]
+    assert report["results"][0]["ratio"] == 1.0 and report["results"][1]["ratio"] > 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "option"),
+    [
+        (["--stage", "7"], "--stage"),
+        (["--model", "no-such-model"], "--model"),
+        (["--device", "gpu"], "--device"),
+        (["--max-model-len", "16"], "--max-model-len"),
+        (["--max-num-seqs", "0"], "--max-num-seqs"),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+    ],
+)
+def test_bad_options_raise_an_error_naming_the_option(argv, option):
+    with pytest.raises(ValueError, match=f"^{option}: "):
+        run_bench(parse(*TINY_RUN, *argv))
+
+
+@pytest.mark.parametrize("argv", [["--num-seqs", "0"], ["--stage", "1,x"], ["--compare", "vllm"]])
+def test_malformed_options_are_refused_by_the_parser_naming_the_option(argv, capsys):
+    with pytest.raises(SystemExit):
+        parse(*argv)
+    assert f"argument {argv[0]}" in capsys.readouterr().err
