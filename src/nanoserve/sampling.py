@@ -1,9 +1,9 @@
 """Sampling parameters and the sampler that turns logits into next tokens.
 
 Introduced in stage 00. Temperature 0 is greedy (argmax); otherwise softmax(logits / T), cut to
-top-k and then top-p, and one draw per sequence. A draw uses the exponential-race trick
-(argmax of p / E with E ~ Exp(1)), which picks token i with probability p_i and batches well.
-It does no beam search, no penalties and no logprobs.
+top-k and then top-p, and one draw per sequence: a single uniform number mapped through the
+cumulative distribution (inverse-CDF sampling), batched over rows. It does no beam search, no
+penalties and no logprobs.
 """
 
 from __future__ import annotations
@@ -64,6 +64,17 @@ def filter_probs(probs: torch.Tensor, top_k: int | None, top_p: float) -> torch.
     return probs
 
 
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Token i of each row where u * total falls in [cdf[i-1], cdf[i]): probability p_i.
+
+    probs (B, V), unnormalized is fine; uniforms (B, 1) in [0, 1). `right=True` skips tokens of
+    zero probability even when u is exactly 0.
+    """
+    cdf = probs.cumsum(dim=-1)
+    targets = uniforms * cdf[:, -1:]
+    return torch.searchsorted(cdf, targets, right=True).clamp(max=probs.shape[-1] - 1)[:, 0]
+
+
 class Sampler:
     """Picks one token per row of a logits batch."""
 
@@ -81,11 +92,11 @@ class Sampler:
         row_index = torch.tensor(rows, device=logits.device)
         temperatures = torch.tensor([params[i].temperature for i in rows], device=logits.device)
         probs = torch.softmax(logits[row_index].float() / temperatures[:, None], dim=-1)
-        noise = torch.empty_like(probs).exponential_()  # one Exp(1) draw per (row, token)
+        uniforms = torch.rand(len(rows), 1, device=logits.device)  # one U[0, 1) draw per row
         for j, i in enumerate(rows):
             if params[i].top_k is not None or params[i].top_p < 1.0:
                 probs[j] = filter_probs(probs[j], params[i].top_k, params[i].top_p)
-            if generators[i] is not None:
-                noise[j].exponential_(generator=generators[i])
-        token_ids[row_index] = (probs / noise).argmax(dim=-1)
+            if generators[i] is not None:  # a seeded request draws from its own stream
+                uniforms[j] = torch.rand(1, generator=generators[i], device=logits.device)
+        token_ids[row_index] = inverse_cdf(probs, uniforms)
         return token_ids.tolist()

@@ -30,12 +30,23 @@ def attend_decode_padded(q, k, v, context_lens: torch.Tensor, scale: float) -> t
     """One query per sequence, at its last position, over its padded history.
 
     q (B, H, D); k and v (B, S, H_kv, D) where row b is valid for its first context_lens[b]
-    positions and padding after. Returns (B, H, D).
+    positions and padding after. Returns (B, H, D). One batched product per kv head reads k and v
+    in place, through strides, instead of copying them into a head-major layout first.
     """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    q = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # query heads by group
+    scores = (
+        torch.stack(
+            [torch.bmm(q[:, h], k[:, :, h].transpose(1, 2)) for h in range(num_kv_heads)], dim=1
+        )
+        * scale
+    )  # (B, H_kv, G, S)
     pad = torch.arange(k.shape[1], device=q.device)[None, :] >= context_lens[:, None]  # (B, S)
-    out = grouped_attention(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), scale,
-                            pad[:, None, :])  # fmt: skip
-    return out[:, :, 0, :]
+    scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=reduction_dtype(q.dtype)).to(q.dtype)
+    out = [torch.bmm(probs[:, h], v[:, :, h]) for h in range(num_kv_heads)]  # (B, G, D) each
+    return torch.stack(out, dim=1).view(batch, num_heads, head_dim)
 
 
 def grouped_attention(q, k, v, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
