@@ -28,12 +28,12 @@ def build_no_cache(config: EngineConfig, model, device: torch.device, components
     return NoCacheManager(), NoCache(device)
 
 
-def num_slabs_for(config: EngineConfig, model, device: torch.device) -> int:
+def num_slabs_for(config: EngineConfig, model) -> int:
     """Slabs that fit the KV budget (at most max_num_seqs), unless config names a number."""
     if config.num_slabs is not None:
         return config.num_slabs
     slab_bytes = config.max_model_len * kv_bytes_per_token(model.config, model.dtype)
-    fits = kv_budget_bytes(config, device) // slab_bytes
+    fits = kv_budget_bytes(config, model) // slab_bytes
     if fits < 1:
         raise ValueError(
             f"one slab of max_model_len={config.max_model_len} tokens needs {slab_bytes} bytes, "
@@ -44,7 +44,7 @@ def num_slabs_for(config: EngineConfig, model, device: torch.device) -> int:
 
 def build_contiguous(config: EngineConfig, model, device: torch.device, components: dict):
     """Stages 01-02: one worst-case slab per running sequence."""
-    num_slabs = num_slabs_for(config, model, device)
+    num_slabs = num_slabs_for(config, model)
     manager = components.get("SlabManager", contiguous.SlabManager)(num_slabs)
     mc = model.config
     cache = contiguous.ContiguousKVCache(
@@ -56,12 +56,12 @@ def build_contiguous(config: EngineConfig, model, device: torch.device, componen
     return manager, cache
 
 
-def num_blocks_for(config: EngineConfig, model, device: torch.device) -> int:
+def num_blocks_for(config: EngineConfig, model) -> int:
     """KV blocks that fit the budget, unless config names a number."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     block_bytes = config.block_size * kv_bytes_per_token(model.config, model.dtype)
-    num_blocks = kv_budget_bytes(config, device) // block_bytes
+    num_blocks = kv_budget_bytes(config, model) // block_bytes
     if num_blocks < 1:
         raise ValueError(f"the KV budget holds no block of {block_bytes} bytes; raise it")
     return num_blocks
@@ -69,7 +69,7 @@ def num_blocks_for(config: EngineConfig, model, device: torch.device) -> int:
 
 def build_block_tables(config: EngineConfig, model, device: torch.device, components: dict):
     """Stage 03: block tables over an allocator; K/V at flat slots; worst case reserved."""
-    num_blocks = num_blocks_for(config, model, device)
+    num_blocks = num_blocks_for(config, model)
     manager = build_table_manager(config, num_blocks, components)
     mc = model.config
     cache = SlotKVCache(manager, num_blocks, mc.num_hidden_layers, mc.num_key_value_heads,
@@ -79,7 +79,7 @@ def build_block_tables(config: EngineConfig, model, device: torch.device, compon
 
 def build_paged(config: EngineConfig, model, device: torch.device, components: dict):
     """Stage 04: one pool tensor, lazy block growth, preemption when the pool runs dry."""
-    num_blocks = num_blocks_for(config, model, device)
+    num_blocks = num_blocks_for(config, model)
     manager_cls = components.get("BlockManager", BlockManager)
     manager = manager_cls(num_blocks, config.block_size)
     mc = model.config
