@@ -1,8 +1,9 @@
 """Stage 00 starter: the arithmetic of one decoder forward pass, and the sampler, for you to write.
 
-Fill in each body (the lesson, stages/00_model/README.md, walks through them in task order), then
-grade it: `pytest stages/00_model --impl starter`, or copy this file anywhere and pass its path.
-Plain torch only; no function here keeps state, and none may modify its inputs in place.
+Fill in each body (the lesson, stages/00_model/README.md, walks through them in task order) in a
+copy: `cp stages/00_model/starter.py my_model.py`, then grade it with
+`pytest stages/00_model --impl my_model.py`. This file itself must keep failing (the harness
+checks it). Plain torch only; no function here keeps state, and none may modify its inputs in place.
 """
 
 from __future__ import annotations

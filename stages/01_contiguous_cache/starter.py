@@ -1,9 +1,10 @@
 """Stage 01 starter: a contiguous KV cache, one worst-case slab per running sequence.
 
 Fill in each body (the lesson, stages/01_contiguous_cache/README.md, walks through them in task
-order), then grade it: `pytest stages/01_contiguous_cache --impl starter`, or copy this file
-anywhere and pass its path. `SlabManager` is bookkeeping on integers (no tensors); `store_slab`
-and `load_slab` are the only code that touches the cache tensor.
+order) in a copy: `cp stages/01_contiguous_cache/starter.py my_cache.py`, then grade it with
+`pytest stages/01_contiguous_cache --impl my_cache.py`. This file itself must keep failing (the
+harness checks it). `SlabManager` is bookkeeping on integers (no tensors); `store_slab` and
+`load_slab` are the only code that touches the cache tensor.
 """
 
 from __future__ import annotations

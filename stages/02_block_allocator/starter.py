@@ -1,8 +1,9 @@
 """Stage 02 starter: the block allocator, a pool of KV block ids handed out and taken back.
 
 Fill in each body (the lesson, stages/02_block_allocator/README.md, walks through them in task
-order), then grade it: `pytest stages/02_block_allocator --impl starter`, or copy this file
-anywhere and pass its path. Ids only: no tensors, no tokens, no idea who owns which block.
+order) in a copy: `cp stages/02_block_allocator/starter.py my_allocator.py`, then grade it with
+`pytest stages/02_block_allocator --impl my_allocator.py`. This file itself must keep failing
+(the harness checks it). Ids only: no tensors, no tokens, no idea who owns which block.
 """
 
 from __future__ import annotations

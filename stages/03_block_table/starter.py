@@ -1,8 +1,9 @@
 """Stage 03 starter: the block table, one sequence's map from token position to KV slot.
 
 Fill in each body (the lesson, stages/03_block_table/README.md, walks through them in task
-order), then grade it: `pytest stages/03_block_table --impl starter`, or copy this file anywhere
-and pass its path. The tests hand your table the reference allocator from stage 02.
+order) in a copy: `cp stages/03_block_table/starter.py my_block_table.py`, then grade it with
+`pytest stages/03_block_table --impl my_block_table.py`. This file itself must keep failing (the
+harness checks it). The tests hand your table the reference allocator from stage 02.
 """
 
 from __future__ import annotations

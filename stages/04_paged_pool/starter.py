@@ -2,9 +2,10 @@
 per-step tensors that tell attention where to write and where to read.
 
 Fill in each body (the lesson, stages/04_paged_pool/README.md, walks through them in task
-order), then grade it: `pytest stages/04_paged_pool --impl starter`, or copy this file anywhere
-and pass its path. Task 6 plugs all five names into the reference engine and demands stage 01's
-tokens, with a pool large enough for everything and with one so small it must preempt.
+order) in a copy: `cp stages/04_paged_pool/starter.py my_pool.py`, then grade it with
+`pytest stages/04_paged_pool --impl my_pool.py`; this file itself must keep failing. Task 6
+plugs all five names into the reference engine and demands stage 01's tokens, with a pool large
+enough for everything and with one so small it must preempt.
 
     the pool, allocated once:  [2, L, N, block_size, H_kv, D]
                                 |  |  |      |
