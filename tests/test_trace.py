@@ -28,3 +28,14 @@ def test_trace_of_the_slab_engine_names_the_slab(tiny_checkpoints):
     llm.generate([[1, 2], [3]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     assert "free slabs 0/2" in lines[0]
     assert "slab 0" in lines[0] and "slab 1" in lines[0]
+
+
+def test_trace_of_the_block_table_engine_shows_tables_and_free_blocks(tiny_checkpoints):
+    folder, _ = tiny_checkpoints["llama"]
+    llm = LLM(str(folder), stage=3, device="cpu", dtype="float64", block_size=4, num_kv_blocks=8,
+              max_model_len=32)  # fmt: skip
+    lines = []
+    llm.engine.on_step = lambda record: lines.append(format_step(record, llm.engine.manager))
+    llm.generate([list(range(1, 12))], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert "free blocks 5/8" in lines[0] and "blocks [0, 1, 2]" in lines[0]
+    assert "slots [11]" in lines[1]

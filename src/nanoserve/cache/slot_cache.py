@@ -37,6 +37,16 @@ class TableManager:
         self.tables: dict[int, BlockTable] = {}  # seq_id -> table
         self.num_promised: dict[int, int] = {}  # seq_id -> blocks reserved, not yet pulled
 
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the pool."""
+        return self.allocator.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no table holds (some of them may be promised)."""
+        return self.allocator.num_free_blocks
+
     def blocks_needed(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         """Blocks for the longest this request can get: prompt + max_tokens, capped."""
         longest = min(num_prompt_tokens + params.max_tokens, self.max_model_len)
@@ -61,6 +71,7 @@ class TableManager:
         table = self.table_cls(self.allocator, self.block_size)
         table.append(len(seq))
         self.tables[seq.seq_id] = table
+        seq.block_table = table.block_ids  # the same list, so --trace can show it
         need = self.blocks_needed(seq.num_prompt_tokens, seq.params)
         self.num_promised[seq.seq_id] = need - len(table.block_ids)
 
@@ -79,7 +90,7 @@ class TableManager:
         """Hand every block and promise back."""
         self.tables.pop(seq.seq_id).free()
         del self.num_promised[seq.seq_id]
-        seq.num_cached_tokens = 0
+        seq.block_table, seq.num_cached_tokens = [], 0
 
     def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         """Flat slots of positions start .. end-1 of seq, translated through its table."""
@@ -123,20 +134,20 @@ class SlotKVCache:
 class SlotAttention:
     """Write every new token's K/V to its slot, then gather each sequence's slots and attend."""
 
-    def __init__(self, kv: torch.Tensor, write_slots, read_slots, cu_seqlens_q: list[int]):
+    def __init__(self, kv: torch.Tensor, slot_mapping, read_slots, cu_seqlens_q: list[int]):
         self.kv = kv
-        self.write_slots = write_slots  # (T,) one slot per packed new token
+        self.slot_mapping = slot_mapping  # (T,) one slot per packed new token
         self.read_slots = read_slots  # per sequence: (n,) slots of positions 0 .. n-1
-        self.cu_seqlens_q = cu_seqlens_q
+        self.cu_seqlens_q_list = cu_seqlens_q
 
     def forward(self, layer_id: int, q, k, v, scale: float) -> torch.Tensor:
         """(T, H, D) outputs for the packed new tokens of every sequence."""
         k_cache, v_cache = self.kv[0, layer_id], self.kv[1, layer_id]  # (num_slots, H_kv, D)
-        k_cache[self.write_slots] = k
-        v_cache[self.write_slots] = v
+        k_cache[self.slot_mapping] = k
+        v_cache[self.slot_mapping] = v
         outputs = []
         for i, slots in enumerate(self.read_slots):
-            s, e = self.cu_seqlens_q[i], self.cu_seqlens_q[i + 1]
+            s, e = self.cu_seqlens_q_list[i], self.cu_seqlens_q_list[i + 1]
             outputs.append(attend(q[s:e], k_cache[slots], v_cache[slots], scale))
         return torch.cat(outputs)
 

@@ -4,9 +4,9 @@ Introduced in stage 04 (it works for every stage). It formats what the engine al
 the batch, each sequence's block table (or slab), the slots written, free memory, preemptions.
 It changes nothing and is off unless asked for.
 
-    step 7 decode  seqs 2  free blocks 3/12  preempted 0
-      seq 4  len 13  blocks [0, 1, 2, 6]  slots [24]
-      seq 5  len 10  blocks [3, 4, 5]     slots [41]
+    step 7 decode  seqs 2  free blocks 5/12  preempted 0      (block_size 4)
+      seq 4  len 13  blocks [0, 1, 2, 6]  slots [24]          position 12: block 6, offset 0
+      seq 5  len 10  blocks [3, 4, 5]  slots [21]             position 9: block 5, offset 1
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ class StepRecord(NamedTuple):
 def free_memory(manager) -> str:
     """Free blocks or slabs out of the total, in the manager's own unit."""
     if hasattr(manager, "num_free_blocks"):
-        total = getattr(manager, "num_blocks", None) or manager.allocator.num_blocks
-        return f"free blocks {manager.num_free_blocks}/{total}"
+        return f"free blocks {manager.num_free_blocks}/{manager.num_blocks}"
     if hasattr(manager, "num_free_slabs"):
         return f"free slabs {manager.num_free_slabs}/{manager.num_slabs}"
     return "no KV cache"
@@ -38,8 +37,9 @@ def free_memory(manager) -> str:
 
 def slots_per_seq(record: StepRecord) -> list[list[int] | None]:
     """The slots each sequence's new tokens were written to, when the step has a slot_mapping."""
-    metadata = getattr(record.inputs.attn, "metadata", None)
-    if metadata is None:
+    attn = record.inputs.attn  # stage 04 keeps these in .metadata, stage 03 on the backend
+    metadata = getattr(attn, "metadata", attn)
+    if not hasattr(metadata, "slot_mapping"):  # stages 00-02 address no slots
         return [None] * len(record.batch.seqs)
     slots, bounds = metadata.slot_mapping.tolist(), metadata.cu_seqlens_q_list
     return [slots[bounds[i] : bounds[i + 1]] for i in range(len(record.batch.seqs))]
