@@ -47,5 +47,10 @@ notebooks: $(VENV)/.dev-deps
 	done
 	$(BIN)/pytest -q -p no:cacheprovider --nbmake $(VENV)/notebooks/*.ipynb
 
+# The CPU comparison in docs/benchmarks.md: stages 01 and 04 and transformers, one run.
+BENCH_ARGS ?= --num-seqs 16 --max-input-len 256 --max-output-len 64 --stage 1,4 --compare hf
+bench: $(VENV)/.dev-deps
+	$(BIN)/nanoserve bench $(BENCH_ARGS)
+
 clean:
 	rm -rf $(VENV) site .pytest_cache .ruff_cache

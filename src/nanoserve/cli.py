@@ -1,7 +1,8 @@
 """The `nanoserve` command: generate, chat, stages, check, bench.
 
-Introduced in stage 00 (`check` in stage 01-03's harness, `bench` in stage 04). Each subcommand
-is a thin wrapper over the Python API; argument errors name the argument and what was expected.
+Introduced in stage 00 (`check` with the grading harness, `bench` and `--trace` in stage 04).
+Each subcommand is a thin wrapper over the Python API; argument errors name the argument and
+what was expected.
 """
 
 from __future__ import annotations

@@ -13,14 +13,15 @@ from dataclasses import dataclass
 class EngineConfig:
     """How big batches may be and how the KV cache is sized."""
 
-    max_model_len: int = 2048  # prompt + completion tokens of one sequence, at most
+    max_model_len: int = 2048  # prompt + completion tokens of one sequence, at most (LLM and
+    # bench build configs with `engine_config_for`, whose default is the model's, up to 4096)
     max_num_seqs: int = 64  # sequences in one batch, at most
     max_num_batched_tokens: int = 8192  # tokens in one prefill batch, at most
     num_slabs: int | None = None  # stage 01: contiguous slabs (default: max_num_seqs)
     block_size: int = 16  # stage 03+: tokens per KV block
-    num_kv_blocks: int | None = None  # stage 04+: pool size (default: from the memory budget)
-    kv_cache_bytes: int | None = None  # stage 04+: CPU budget for the pool
-    gpu_memory_utilization: float = 0.9  # stage 04+: fraction of GPU memory the engine may use
+    num_kv_blocks: int | None = None  # stage 03+: pool size (default: what fits the budget)
+    kv_cache_bytes: int | None = None  # stage 01+: CPU budget for the cache (default 1 GiB)
+    gpu_memory_utilization: float = 0.9  # stage 01+: share of GPU memory the engine may use
 
     def __post_init__(self):
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):

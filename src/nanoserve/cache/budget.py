@@ -1,6 +1,6 @@
 """How many bytes the KV cache may take, and what one token of it costs.
 
-Introduced in stage 01 (slabs), reused from stage 04 (blocks). The byte budget is measured here
+Introduced in stage 01 (slabs), reused from stage 03 (blocks). The byte budget is measured here
 and returned; nothing writes it back into the config.
 """
 

@@ -10,7 +10,7 @@ order. Everything is plain torch (stage 05 writes with Triton, stage 06 reads wi
 
     block_tables (padded with -1)       context_lens      read for sequence 0:
       [[0, 1, 2, 6],                     [13,              blocks 0, 1, 2, 6 -> 16 rows,
-       [0, 3, 4, -1]]                     10]              keep the first 13
+       [5, 3, 4, -1]]                     10]              keep the first 13
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The block manager: which physical KV blocks each running sequence holds, and who else does.
 
 Introduced in stage 04, built on stage 02's `BlockAllocator` and stage 03's `BlockTable`. It is
-pure bookkeeping (no tensors): `seq.block_table` is the list the model runner turns into the
-`block_tables` tensor. Blocks are grown lazily, one decode token at a time; ref counts are kept
-now (always 1 per holder) so that stage 07's prefix sharing has something to count.
+pure bookkeeping (no tensors): `seq.block_table` is the list `prepare_prefill` /
+`prepare_decode` turn into the `block_tables` tensor. Blocks grow lazily, one decode token at a
+time; ref counts are kept now (always 1 per holder) so stage 07's sharing has something to count.
 """
 
 from __future__ import annotations

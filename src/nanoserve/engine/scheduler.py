@@ -56,6 +56,7 @@ class Scheduler:
             if not self.manager.can_allocate(seq):
                 break
             self.manager.allocate(seq)
+            # recounted after allocate: from stage 07 a cached prefix shrinks what is computed
             num_batched_tokens += len(seq) - seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
             self.waiting.popleft()

@@ -44,11 +44,6 @@ class Sequence:
         return len(self.token_ids)
 
     @property
-    def num_tokens(self) -> int:
-        """Prompt plus completion tokens so far."""
-        return len(self.token_ids)
-
-    @property
     def last_token_id(self) -> int:
         """The newest token; a decode step feeds it to the model."""
         return self.token_ids[-1]

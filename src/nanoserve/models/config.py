@@ -54,12 +54,7 @@ class ModelConfig:
     def from_hf_dict(cls, d: dict) -> ModelConfig:
         """Build from a Hugging Face `config.json` dict (llama, qwen2 or qwen3)."""
         model_type = d.get("model_type", "llama")
-        if model_type not in ARCHITECTURES:
-            supported = sorted(ARCHITECTURES)
-            raise ValueError(
-                f"model_type {model_type!r} is not supported; expected one of {supported}"
-            )
-        bias, qk_norm = ARCHITECTURES[model_type]
+        bias, qk_norm = ARCHITECTURES.get(model_type, (False, False))  # __post_init__ rejects
         num_heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")
         eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)

@@ -24,11 +24,10 @@ from nanoserve.models.registry import KNOWN_MODELS, known_model_path
 
 
 class LoadedModel(NamedTuple):
-    """A ready model, its tokenizer (None when the checkpoint has none), and where it came from."""
+    """A ready model and its tokenizer (None when the checkpoint has none)."""
 
     model: CausalLM
     tokenizer: Any
-    source: Path
 
 
 def resolve_model_path(model: str | Path) -> Path:
@@ -51,7 +50,7 @@ def load_model(model: str | Path, device: torch.device, dtype: torch.dtype) -> L
     for benchmarks that need no weight files.
     """
     if isinstance(model, str) and model in PRESETS:
-        return LoadedModel(random_model(model, device, dtype), None, Path(model))
+        return LoadedModel(random_model(model, device, dtype), None)
     path = resolve_model_path(model)
     if path.is_dir():
         hf_config, state_dict, tokenizer = read_hf_folder(path)
@@ -63,7 +62,7 @@ def load_model(model: str | Path, device: torch.device, dtype: torch.dtype) -> L
             "and *.safetensors"
         )
     config = ModelConfig.from_hf_dict(hf_config)
-    return LoadedModel(build_model(config, state_dict, device, dtype), tokenizer, path)
+    return LoadedModel(build_model(config, state_dict, device, dtype), tokenizer)
 
 
 def read_hf_folder(folder: Path) -> tuple[dict, dict[str, torch.Tensor], Any]:
