@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.engine.forward_inputs import ForwardInputs
+from nanoserve.engine.forward_inputs import ForwardInputs, pack_tokens, to_forward_inputs
 from nanoserve.engine.scheduler import ScheduledBatch
 from nanoserve.engine.sequence import Sequence
 from nanoserve.kernels.attention import attend
@@ -82,21 +82,10 @@ class ContiguousKVCache:
 
     def prepare(self, batch: ScheduledBatch) -> ForwardInputs:
         """New tokens only: the whole uncached prompt at prefill, the last token at decode."""
-        input_ids, positions, spans = [], [], []
-        for seq in batch.seqs:
-            start = seq.num_cached_tokens
-            input_ids.extend(seq.token_ids[start:])
-            positions.extend(range(start, len(seq)))
-            spans.append((seq.slab_id, start, len(seq)))
-        cu_seqlens_q = [0]
-        for _, start, end in spans:
-            cu_seqlens_q.append(cu_seqlens_q[-1] + end - start)
-        return ForwardInputs(
-            input_ids=torch.tensor(input_ids, device=self.device),
-            positions=torch.tensor(positions, device=self.device),
-            attn=ContiguousAttention(self, spans, cu_seqlens_q),
-            logits_indices=torch.tensor(cu_seqlens_q[1:], device=self.device) - 1,
-        )
+        packed = pack_tokens(batch.seqs)
+        spans = [(seq.slab_id, seq.num_cached_tokens, len(seq)) for seq in batch.seqs]
+        attn = ContiguousAttention(self, spans, packed.cu_seqlens_q)
+        return to_forward_inputs(packed, attn, self.device)
 
 
 class ContiguousAttention:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.engine.forward_inputs import ForwardInputs
+from nanoserve.engine.forward_inputs import ForwardInputs, pack_tokens, to_forward_inputs
 from nanoserve.engine.scheduler import ScheduledBatch
 from nanoserve.engine.sequence import Sequence
 from nanoserve.kernels.attention import NoCacheAttention
@@ -44,15 +44,5 @@ class NoCache:
 
     def prepare(self, batch: ScheduledBatch) -> ForwardInputs:
         """Inputs that recompute each sequence from its first token."""
-        input_ids, positions, cu_seqlens = [], [], [0]
-        for seq in batch.seqs:
-            input_ids.extend(seq.token_ids)
-            positions.extend(range(len(seq)))
-            cu_seqlens.append(cu_seqlens[-1] + len(seq))
-        last_token_indices = [end - 1 for end in cu_seqlens[1:]]
-        return ForwardInputs(
-            input_ids=torch.tensor(input_ids, device=self.device),
-            positions=torch.tensor(positions, device=self.device),
-            attn=NoCacheAttention(cu_seqlens),
-            logits_indices=torch.tensor(last_token_indices, device=self.device),
-        )
+        packed = pack_tokens(batch.seqs, from_start=True)
+        return to_forward_inputs(packed, NoCacheAttention(packed.cu_seqlens_q), self.device)

@@ -19,7 +19,7 @@ import torch
 
 from nanoserve.cache.allocator import BlockAllocator
 from nanoserve.cache.block_table import BlockTable
-from nanoserve.engine.forward_inputs import ForwardInputs
+from nanoserve.engine.forward_inputs import ForwardInputs, pack_tokens, to_forward_inputs
 from nanoserve.engine.scheduler import ScheduledBatch
 from nanoserve.engine.sequence import Sequence
 from nanoserve.kernels.attention import attend
@@ -111,24 +111,16 @@ class SlotKVCache:
 
     def prepare(self, batch: ScheduledBatch) -> ForwardInputs:
         """New tokens of each sequence, the slots they are written to, the slots to read."""
-        input_ids, positions, write_slots, read_slots, cu_seqlens_q = [], [], [], [], [0]
+        packed = pack_tokens(batch.seqs)
+        write_slots, read_slots = [], []
         for seq in batch.seqs:
-            start = seq.num_cached_tokens
-            input_ids.extend(seq.token_ids[start:])
-            positions.extend(range(start, len(seq)))
-            write_slots.extend(self.manager.slots(seq, start, len(seq)))
+            write_slots.extend(self.manager.slots(seq, seq.num_cached_tokens, len(seq)))
             read_slots.append(
                 torch.tensor(self.manager.slots(seq, 0, len(seq)), device=self.device)
             )
-            cu_seqlens_q.append(cu_seqlens_q[-1] + len(seq) - start)
-        return ForwardInputs(
-            input_ids=torch.tensor(input_ids, device=self.device),
-            positions=torch.tensor(positions, device=self.device),
-            attn=SlotAttention(
-                self.kv, torch.tensor(write_slots, device=self.device), read_slots, cu_seqlens_q
-            ),
-            logits_indices=torch.tensor(cu_seqlens_q[1:], device=self.device) - 1,
-        )
+        slot_mapping = torch.tensor(write_slots, device=self.device)
+        attn = SlotAttention(self.kv, slot_mapping, read_slots, packed.cu_seqlens_q)
+        return to_forward_inputs(packed, attn, self.device)
 
 
 class SlotAttention:
