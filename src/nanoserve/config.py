@@ -17,7 +17,7 @@ class EngineConfig:
     # bench build configs with `engine_config_for`, whose default is the model's, up to 4096)
     max_num_seqs: int = 64  # sequences in one batch, at most
     max_num_batched_tokens: int = 8192  # tokens in one prefill batch, at most
-    num_slabs: int | None = None  # stage 01: contiguous slabs (default: max_num_seqs)
+    num_slabs: int | None = None  # stage 01: slabs (default: what fits the budget, <= max_num_seqs)
     block_size: int = 16  # stage 03+: tokens per KV block
     num_kv_blocks: int | None = None  # stage 03+: pool size (default: what fits the budget)
     kv_cache_bytes: int | None = None  # stage 01+: CPU budget for the cache (default 1 GiB)

@@ -37,7 +37,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.num_cached_tokens = 0  # tokens whose K/V is already stored
         self.slab_id: int | None = None  # stage 01: the contiguous slab this sequence owns
-        self.block_table: list[int] = []  # stage 04: physical block ids, in logical order
+        self.block_table: list[int] = []  # stage 03+: physical block ids, in logical order
         self.num_preemptions = 0
 
     def __len__(self) -> int:
