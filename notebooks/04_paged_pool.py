@@ -55,16 +55,23 @@ print(f"stage-04 pieces from {IMPL!r}: {', '.join(components)}")
 folder = save_tiny_model(tempfile.mkdtemp(prefix="nanoserve-nb04-"), "llama")
 
 BLOCK_SIZE, NUM_BLOCKS, MAX_MODEL_LEN = 4, 24, 64
-llm = LLM(
-    folder,
-    stage=4,
-    device="cpu",
-    dtype="float64",
-    components=components,
-    block_size=BLOCK_SIZE,
-    num_kv_blocks=NUM_BLOCKS,
-    max_model_len=MAX_MODEL_LEN,
-)
+
+
+def paged_llm(num_kv_blocks):
+    """The stage-04 engine on the tiny model, with your pieces plugged in."""
+    return LLM(
+        folder,
+        stage=4,
+        device="cpu",
+        dtype="float64",
+        components=components,
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=num_kv_blocks,
+        max_model_len=MAX_MODEL_LEN,
+    )
+
+
+llm = paged_llm(NUM_BLOCKS)
 engine = llm.engine
 pool = engine.runner.cache.kv
 print(f"pool tensor {list(pool.shape)}  = [K/V, layers, blocks, block_size, kv heads, head dim]")
@@ -254,16 +261,7 @@ assert all(SEQS[n].num_completion_tokens == WORKLOAD[n][2] for n in WORKLOAD)
 # tokens must be identical: recompute rebuilds exactly the K/V it threw away.
 
 # %%
-big = LLM(
-    folder,
-    stage=4,
-    device="cpu",
-    dtype="float64",
-    components=components,
-    block_size=BLOCK_SIZE,
-    num_kv_blocks=1000,
-    max_model_len=MAX_MODEL_LEN,
-)
+big = paged_llm(num_kv_blocks=1000)
 params = [SamplingParams(max_tokens=WORKLOAD[n][2], ignore_eos=True) for n in WORKLOAD]
 outputs = big.generate([PROMPTS[n] for n in WORKLOAD], params, use_tqdm=False)
 for name, out in zip(WORKLOAD, outputs):

@@ -4,15 +4,20 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.engine.trace import format_step
 
 
+def traced(llm: LLM, prompts, max_tokens: int) -> list[str]:
+    """Generate greedily and return the --trace block of every step."""
+    lines = []
+    llm.engine.on_step = lambda record: lines.append(format_step(record, llm.engine.manager))
+    llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    return lines
+
+
 def test_trace_shows_prefill_then_decode_with_the_slots_written(tiny_checkpoints):
     folder, _ = tiny_checkpoints["llama"]
     llm = LLM(str(folder), stage=4, device="cpu", dtype="float64", block_size=4, num_kv_blocks=8,
               max_model_len=32)  # fmt: skip
-    lines = []
-    llm.engine.on_step = lambda record: lines.append(format_step(record, llm.engine.manager))
     prompt = [11, 12, 13, 14, 21, 22, 23, 24, 31, 32, 33]  # the seed's prompt A
-    llm.generate([prompt], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
-    prefill, decode_12, decode_13 = lines
+    prefill, decode_12, decode_13 = traced(llm, [prompt], max_tokens=3)
     assert prefill.startswith("step 1 prefill  seqs 1  free blocks 5/8  preempted 0")
     assert "len 11  blocks [0, 1, 2]  slots [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]" in prefill
     assert "len 12  blocks [0, 1, 2]  slots [11]" in decode_12  # last offset of block 2
@@ -23,9 +28,7 @@ def test_trace_shows_prefill_then_decode_with_the_slots_written(tiny_checkpoints
 def test_trace_of_the_slab_engine_names_the_slab(tiny_checkpoints):
     folder, _ = tiny_checkpoints["llama"]
     llm = LLM(str(folder), stage=1, device="cpu", dtype="float64", num_slabs=2, max_model_len=32)
-    lines = []
-    llm.engine.on_step = lambda record: lines.append(format_step(record, llm.engine.manager))
-    llm.generate([[1, 2], [3]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    lines = traced(llm, [[1, 2], [3]], max_tokens=2)
     assert "free slabs 0/2" in lines[0]
     assert "slab 0" in lines[0] and "slab 1" in lines[0]
 
@@ -34,8 +37,6 @@ def test_trace_of_the_block_table_engine_shows_tables_and_free_blocks(tiny_check
     folder, _ = tiny_checkpoints["llama"]
     llm = LLM(str(folder), stage=3, device="cpu", dtype="float64", block_size=4, num_kv_blocks=8,
               max_model_len=32)  # fmt: skip
-    lines = []
-    llm.engine.on_step = lambda record: lines.append(format_step(record, llm.engine.manager))
-    llm.generate([list(range(1, 12))], SamplingParams(max_tokens=2, ignore_eos=True))
+    lines = traced(llm, [list(range(1, 12))], max_tokens=2)
     assert "free blocks 5/8" in lines[0] and "blocks [0, 1, 2]" in lines[0]
     assert "slots [11]" in lines[1]

@@ -31,8 +31,11 @@ class Workload(NamedTuple):
 
     def fold_ids(self, vocab_size: int) -> Workload:
         """The same requests with ids taken modulo vocab_size (only models of <= 10000 ids)."""
-        folded = [[t % vocab_size for t in p] for p in self.prompt_token_ids]
-        return self if vocab_size > TOKEN_ID_HIGH else self._replace(prompt_token_ids=folded)
+        if vocab_size > TOKEN_ID_HIGH:
+            return self
+        return self._replace(
+            prompt_token_ids=[[t % vocab_size for t in p] for p in self.prompt_token_ids]
+        )
 
 
 class BenchResult(NamedTuple):
@@ -216,12 +219,12 @@ def format_table(results: list[BenchResult]) -> list[str]:
     return lines + [f"note: {r.note}" for r in results if r.note]
 
 
-def write_json(path: str, header: list[str], args, results: list[BenchResult]) -> None:
+def write_json(path: str, header: list[str], args, stages: list[int], results: list) -> None:
     """The run as JSON: header lines, options (stages flattened), and one record per engine."""
     records = [dict(r._asdict(), tokens_per_s=r.tokens_per_s,
                     ratio=r.tokens_per_s / results[0].tokens_per_s) for r in results]  # fmt: skip
     options = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
-    options["stage"] = checked_stages(args)
+    options["stage"] = stages
     with open(path, "w") as f:
         json.dump({"header": header, "options": options, "results": records}, f, indent=2)
 
@@ -244,5 +247,5 @@ def run_bench(args) -> int:
         results.append(run_transformers(args.model, model, workload, args.hf_batch_size))
     print("\n".join(format_table(results)))
     if args.json:
-        write_json(args.json, header, args, results)
+        write_json(args.json, header, args, stages, results)
     return 0
