@@ -121,7 +121,7 @@ def load_bench_model(args):
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device: cuda was asked for but torch sees no CUDA GPU")
     try:  # a preset name builds random weights (models/presets.py)
-        return load_model(args.model, device, resolve_dtype(args.dtype, device)).model
+        return load_model(args.model, device, resolve_dtype(args.dtype, device))
     except ValueError as err:
         raise ValueError(f"--model: {err}") from None
 

@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from nanoserve.config import engine_config_for
 from nanoserve.engine.builders import build_engine
-from nanoserve.models.loader import load_model
+from nanoserve.models.loader import load_model, load_tokenizer
 from nanoserve.models.registry import DEFAULT_MODEL
 from nanoserve.sampling import SamplingParams
 from nanoserve.stages import latest_stage, require_implemented
@@ -65,8 +65,8 @@ class LLM:
         self.stage = latest_stage() if stage is None else require_implemented(stage)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        loaded = load_model(model, self.device, self.dtype)
-        self.model, self.tokenizer = loaded.model, loaded.tokenizer
+        self.model = load_model(model, self.device, self.dtype)
+        self.tokenizer = load_tokenizer(model)
         self.config = engine_config_for(self.model.config, **engine_options)
         self.engine = build_engine(
             self.stage.number, self.config, self.model, self.eos_ids(), components

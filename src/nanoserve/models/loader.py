@@ -1,8 +1,9 @@
-"""Loaders: a name or path in, a `CausalLM` with weights and its tokenizer out.
+"""Loaders: a name, path or Hub id in; the model's config, its weights, or its tokenizer out.
 
 Introduced in stage 00. Reads a Hugging Face folder (`config.json` + `*.safetensors`, sharded or
-not) or a GGUF file (`models/gguf.py`), or a known name from the registry; a preset name builds a
-random-weight model of a real shape (`models/presets.py`). It never downloads.
+not), a GGUF file (`models/gguf.py`), a known name (`models/registry.py`) or a Hub id
+(`models/hub.py`); a preset name builds random weights (`models/presets.py`). A broken checkpoint
+raises CheckpointError naming the file; config, weights and tokenizer load apart.
 """
 
 from __future__ import annotations
@@ -12,72 +13,148 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, NamedTuple
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from nanoserve.models.build import WeightMismatch, build_model
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.decoder import CausalLM
-from nanoserve.models.presets import PRESETS, random_model
+from nanoserve.models.gguf import read_gguf
+from nanoserve.models.hub import hub_snapshot, is_hub_id
+from nanoserve.models.presets import PRESETS, preset_config, random_model
 from nanoserve.models.registry import KNOWN_MODELS, known_model_path
 
 
-class LoadedModel(NamedTuple):
-    """A ready model and its tokenizer (None when the checkpoint has none)."""
-
-    model: CausalLM
-    tokenizer: Any
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the file and what is wrong with it."""
 
 
 def resolve_model_path(model: str | Path) -> Path:
-    """A known name's file, or an existing path; ValueError otherwise."""
+    """An existing path, a known name's file, or a Hub id's snapshot folder; ValueError otherwise.
+
+    In that order: a local file or folder always wins, and only an `owner/name` string that is
+    neither goes to the Hugging Face Hub (download, or its local cache when offline).
+    """
+    path = Path(model)
+    if path.exists():
+        return path
     if isinstance(model, str) and model in KNOWN_MODELS:
         return known_model_path(model)
-    path = Path(model)
-    if not path.exists():
-        raise ValueError(
-            f"model {str(model)!r} is neither a known model name ({', '.join(KNOWN_MODELS)}), "
-            f"a random-weight preset ({', '.join(PRESETS)}), nor an existing file or folder"
-        )
-    return path
+    if is_hub_id(model):
+        return hub_snapshot(model)
+    raise ValueError(
+        f"model {str(model)!r} is neither a known model name ({', '.join(KNOWN_MODELS)}), "
+        f"a random-weight preset ({', '.join(PRESETS)}), an existing file or folder, "
+        "nor a Hugging Face Hub id (owner/name)"
+    )
 
 
-def load_model(model: str | Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
-    """Load weights and tokenizer from a known name, a GGUF file or a safetensors folder.
-
-    A preset name (`qwen3-0.6b`, ...) builds that shape with random weights and no tokenizer,
-    for benchmarks that need no weight files.
-    """
-    if isinstance(model, str) and model in PRESETS:
-        return LoadedModel(random_model(model, device, dtype), None)
+def checkpoint_folder(model: str | Path) -> Path:
+    """The safetensors folder behind a path, known name or Hub id (a GGUF is converted once)."""
     path = resolve_model_path(model)
     if path.is_dir():
-        hf_config, state_dict, tokenizer = read_hf_folder(path)
-    elif path.suffix == ".gguf":
-        hf_config, state_dict, tokenizer = read_hf_folder(converted_gguf(path))
-    else:
-        raise ValueError(
-            f"model path {str(path)!r} is not a .gguf file or a folder with config.json "
-            "and *.safetensors"
-        )
-    config = ModelConfig.from_hf_dict(hf_config)
-    return LoadedModel(build_model(config, state_dict, device, dtype), tokenizer)
+        return checked_folder(path)
+    if path.suffix == ".gguf":
+        return converted_gguf(path)
+    raise ValueError(
+        f"model path {str(path)!r} is not a .gguf file or a folder with config.json "
+        "and *.safetensors"
+    )
 
 
-def read_hf_folder(folder: Path) -> tuple[dict, dict[str, torch.Tensor], Any]:
-    """config.json, every safetensors shard, and the tokenizer if the folder has one."""
+def is_preset(model: str | Path) -> bool:
+    """True for a random-weight preset name (`qwen3-0.6b`, ...) that is not a local path."""
+    return isinstance(model, str) and model in PRESETS and not Path(model).exists()
+
+
+def load_model_config(model: str | Path) -> ModelConfig:
+    """The model's shape, without loading any weights."""
+    if is_preset(model):
+        return ModelConfig.from_hf_dict(preset_config(model))
+    return read_model_config(checkpoint_folder(model))
+
+
+def load_tokenizer(model: str | Path):
+    """The checkpoint's tokenizer, or None (presets and folders without tokenizer files)."""
+    if is_preset(model):
+        return None
+    return read_tokenizer(checkpoint_folder(model))
+
+
+def load_model(model: str | Path, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    """The model's weights from a known name, a GGUF file, a safetensors folder or a Hub id.
+
+    A preset name (`qwen3-0.6b`, ...) builds that shape with random weights, for benchmarks that
+    need no weight files.
+    """
+    if is_preset(model):
+        return random_model(model, device, dtype)
+    folder = checkpoint_folder(model)
+    config = read_model_config(folder)
+    try:
+        return build_model(config, read_state_dict(folder), device, dtype)
+    except WeightMismatch as err:  # name the shard that holds the bad tensor, when one does
+        raise CheckpointError(f"{shard_holding(folder, err.name) or folder}: {err}") from None
+
+
+def checked_folder(folder: Path) -> Path:
+    """folder itself, once it is seen to hold config.json and at least one *.safetensors."""
     config_file = folder / "config.json"
-    shards = sorted(folder.glob("*.safetensors"))
-    if not config_file.is_file() or not shards:
+    num_shards = len(list(folder.glob("*.safetensors")))
+    if not config_file.is_file() or num_shards == 0:
         raise ValueError(
             f"folder {str(folder)!r} needs config.json and *.safetensors "
-            f"(found config.json: {config_file.is_file()}, shards: {len(shards)})"
+            f"(found config.json: {config_file.is_file()}, shards: {num_shards})"
         )
+    return folder
+
+
+def read_config(folder: Path) -> dict:
+    """The folder's config.json as a dict; CheckpointError when it is not a JSON object."""
+    path = folder / "config.json"
+    try:
+        config = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, found {type(config).__name__}")
+    return config
+
+
+def read_model_config(folder: Path) -> ModelConfig:
+    """The folder's config.json as a ModelConfig; CheckpointError names the file and the key."""
+    try:
+        return ModelConfig.from_hf_dict(read_config(folder))
+    except CheckpointError:
+        raise
+    except ValueError as err:  # a missing key, a bad size, an unsupported model_type
+        raise CheckpointError(f"{folder / 'config.json'}: {err}") from None
+
+
+def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    """Every safetensors shard of the folder, merged; CheckpointError names an unreadable one."""
     state_dict = {}
-    for shard in shards:
-        state_dict.update(load_file(shard))
-    return json.loads(config_file.read_text()), state_dict, read_tokenizer(folder)
+    for shard in sorted(folder.glob("*.safetensors")):
+        try:
+            state_dict.update(load_file(shard))
+        except (SafetensorError, OSError) as err:  # cut short, bad header, unreadable
+            raise CheckpointError(
+                f"{shard} is not a readable safetensors file (truncated or corrupt?): {err}"
+            ) from None
+    return state_dict
+
+
+def shard_holding(folder: Path, name: str | None) -> Path | None:
+    """The shard of folder that holds tensor `name` (headers only), or None."""
+    if name is None:
+        return None
+    for shard in sorted(folder.glob("*.safetensors")):
+        with safe_open(shard, framework="pt") as f:
+            if name in f.keys():  # noqa: SIM118 (safe_open is not a dict: no `in f`)
+                return shard
+    return None
 
 
 def cache_root() -> Path:
@@ -95,9 +172,10 @@ def converted_gguf(path: Path) -> Path:
     folder = cache_root() / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
     if (folder / "config.json").is_file():
         return folder
-    from nanoserve.models.gguf import read_gguf  # lazy: `gguf` is only needed here
-
-    checkpoint = read_gguf(path)
+    try:
+        checkpoint = read_gguf(path)
+    except ValueError as err:  # its messages already name the file
+        raise CheckpointError(str(err)) from None
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".converting-"))
     save_file({k: v.contiguous() for k, v in checkpoint.state_dict.items()},
@@ -115,42 +193,6 @@ def read_tokenizer(folder: Path):
     """The folder's tokenizer, or None when it has no tokenizer files."""
     if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         return None
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: ~2 s to import, and presets never need it
 
     return AutoTokenizer.from_pretrained(folder)
-
-
-def build_model(
-    config: ModelConfig,
-    state_dict: dict[str, torch.Tensor] | None,
-    device: torch.device,
-    dtype: torch.dtype,
-) -> CausalLM:
-    """A CausalLM on device in dtype, filled from state_dict (random init when it is None)."""
-    if state_dict is None:
-        with torch.device(device):
-            model = CausalLM(config)
-    else:  # skip the random init that the checkpoint would overwrite anyway
-        with torch.device("meta"):
-            model = CausalLM(config)
-        model.to_empty(device=device)
-        model.tie_weights()  # to_empty makes new tensors, which unties shared ones
-        model.model.rotary.reset_inv_freq()  # a computed buffer: no checkpoint holds it
-        load_weights(model, state_dict)
-    return model.to(dtype=dtype).eval()
-
-
-def load_weights(model: CausalLM, state_dict: dict[str, torch.Tensor]) -> None:
-    """Copy a Hugging Face-named state dict in, checking that nothing is missing or left over."""
-    state_dict = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
-    if model.config.tie_word_embeddings:
-        state_dict.pop("lm_head.weight", None)  # the head *is* the embedding
-    result = model.load_state_dict(state_dict, strict=False)
-    missing = set(result.missing_keys) - (
-        {"lm_head.weight"} if model.config.tie_word_embeddings else set()
-    )
-    if missing or result.unexpected_keys:
-        raise ValueError(
-            f"checkpoint does not match the {model.config.model_type} decoder: "
-            f"missing {sorted(missing)[:5]}, unexpected {sorted(result.unexpected_keys)[:5]}"
-        )

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from nanoserve.models.config import ModelConfig
+from nanoserve.models.build import build_model
 from nanoserve.models.decoder import CausalLM
 
 PRESETS: dict[str, dict] = {
@@ -76,8 +77,6 @@ def init_random_weights(model: nn.Module, seed: int = 0) -> None:
 
 def random_model(name: str, device, dtype: torch.dtype, seed: int = 0) -> CausalLM:
     """The preset's model on device in dtype, with random weights from `seed`."""
-    from nanoserve.models.loader import build_model  # the loader will import this module
-
     config = ModelConfig.from_hf_dict(preset_config(name))
     model = build_model(config, None, torch.device(device), dtype)
     init_random_weights(model, seed)
