@@ -1,0 +1,346 @@
+"""The Triton kernels of stages 05-06 against plain torch: store_kvcache and paged attention.
+
+On a CPU the kernels run through Triton's interpreter (TRITON_INTERPRET=1, set below before any
+kernel module is imported) on tiny shapes in float32/float64, whose tl.dot the interpreter gets
+right. Tests marked `gpu` run realistic Qwen3-0.6B shapes in bf16/fp16/fp32 on a CUDA device.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when @triton.jit runs, i.e. at import
+triton = pytest.importorskip("triton", reason="the Triton kernels need triton (pip install triton)")
+
+from nanoserve.kernels.attention import attend  # noqa: E402
+from nanoserve.kernels.paged_attention import (  # noqa: E402
+    decode_partition_size,
+    paged_attention_decode,
+    paged_attention_prefill,
+)
+from nanoserve.kernels.store import store_kvcache  # noqa: E402
+
+CPU = torch.device("cpu")
+TOLERANCE = {  # (atol, rtol) against a float64 torch reference
+    torch.float64: (1e-12, 1e-12),
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (5e-3, 5e-3),
+    torch.bfloat16: (1.5e-2, 1e-2),
+}
+
+
+def torch_store(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """The oracle: stage 04's scatter, slot -1 skipped."""
+    keep = slot_mapping >= 0
+    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping[keep]] = key[keep]
+    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping[keep]] = value[keep]
+
+
+def fused_kv(num_tokens, num_heads, num_kv_heads, head_dim, dtype, device, gen):
+    """key, value (T, H_kv, D) as strided views of one fused QKV output, as the model makes them."""
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = torch.randn(num_tokens, width, generator=gen, dtype=torch.float64).to(device, dtype)
+    kv = qkv[:, num_heads * head_dim :].view(num_tokens, 2 * num_kv_heads, head_dim)
+    return kv[:, :num_kv_heads], kv[:, num_kv_heads:]  # stride(0) = width, not H_kv * D
+
+
+class PagedBatch:
+    """A pool poisoned with NaN, sequences on shuffled blocks, their K/V stored by the oracle."""
+
+    def __init__(
+        self,
+        context_lens,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        dtype,
+        device=CPU,
+        seed=0,
+        spare_blocks=3,
+        padding_rows=0,
+    ):
+        gen = torch.Generator().manual_seed(seed)
+        self.block_size, self.dtype = block_size, dtype
+        self.context_lens = list(context_lens) + [0] * padding_rows  # padding rows own nothing
+        counts = [-(-n // block_size) for n in self.context_lens]
+        num_blocks = sum(counts) + spare_blocks
+        order = torch.randperm(num_blocks, generator=gen).tolist()  # scattered, not in order
+        self.tables, start = [], 0
+        for count in counts:
+            self.tables.append(order[start : start + count])
+            start += count
+        width = max(max(counts), 1) + 1  # one extra -1 column, as a static buffer would have
+        rows = [t + [-1] * (width - len(t)) for t in self.tables]
+        self.block_tables = torch.tensor(rows, dtype=torch.int32, device=device)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+        self.v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+        for table, n in zip(self.tables, self.context_lens):
+            k, v = (torch.randn(n, num_kv_heads, head_dim, generator=gen) for _ in range(2))
+            slots = torch.tensor(
+                [table[p // block_size] * block_size + p % block_size for p in range(n)],
+                dtype=torch.int64,
+            )
+            torch_store(
+                k.to(device, dtype),
+                v.to(device, dtype),
+                self.k_cache,
+                self.v_cache,
+                slots.to(device),
+            )
+        self.num_heads, self.head_dim, self.gen = num_heads, head_dim, gen
+        self.lens = torch.tensor(self.context_lens, dtype=torch.int32, device=device)
+
+    def queries(self, num_tokens):
+        """(num_tokens, H, D) random queries in the pool's dtype."""
+        q = torch.randn(num_tokens, self.num_heads, self.head_dim, generator=self.gen)
+        return q.to(self.k_cache.device, self.dtype)
+
+    def reference(self, q, b, num_q):
+        """attend() of sequence b's last num_q queries, K/V gathered through its table, float64."""
+        n = self.context_lens[b]
+        table = torch.tensor(self.tables[b], dtype=torch.long, device=q.device)
+        keys, values = (c[table].flatten(0, 1)[:n].double() for c in (self.k_cache, self.v_cache))
+        return attend(q.double(), keys, values, self.head_dim**-0.5)
+
+
+def assert_close(got, want, dtype):
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.double(), want.double(), atol=atol, rtol=rtol)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 05: store_kvcache
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_store_matches_torch_scatter_bitwise_with_strided_kv_and_skipped_slots(dtype, slot_dtype):
+    gen = torch.Generator().manual_seed(1)
+    key, value = fused_kv(6, 9, 3, 64, dtype, CPU, gen)  # SmolLM2: H_kv * D = 192
+    assert key.stride(0) != 3 * 64
+    slot_mapping = torch.tensor([5, -1, 0, 13, -1, 7], dtype=slot_dtype)  # -1: padding rows
+    shape = (4, 4, 3, 64)  # 16 slots, block_size 4
+    want_k = torch.randn(shape, generator=gen).to(dtype)
+    want_v = torch.randn(shape, generator=gen).to(dtype)
+    got_k, got_v = want_k.clone(), want_v.clone()
+    torch_store(key, value, want_k, want_v, slot_mapping)
+    store_kvcache(key, value, got_k, got_v, slot_mapping)
+    assert torch.equal(got_k.view(torch.uint8), want_k.view(torch.uint8))  # bits, not values
+    assert torch.equal(got_v.view(torch.uint8), want_v.view(torch.uint8))
+
+
+def test_store_of_only_padding_rows_leaves_the_pool_untouched():
+    gen = torch.Generator().manual_seed(2)
+    key, value = fused_kv(3, 4, 2, 16, torch.float32, CPU, gen)
+    k_cache, v_cache = torch.zeros(2, 4, 2, 16), torch.zeros(2, 4, 2, 16)
+    store_kvcache(key, value, k_cache, v_cache, torch.full((3,), -1))
+    assert not k_cache.any() and not v_cache.any()
+
+
+def test_store_refuses_a_non_contiguous_cache():
+    key = value = torch.zeros(2, 2, 16)
+    pool = torch.zeros(2, 4, 4, 2, 16)
+    with pytest.raises(ValueError, match="contiguous"):
+        store_kvcache(key, value, pool[:, 0], pool[:, 1], torch.tensor([0, 1]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 06: prefill / extend
+# ---------------------------------------------------------------------------------------------
+
+
+def run_prefill(batch: PagedBatch, q_lens, **tiles):
+    """Kernel output and float64 reference for the last q_lens[b] positions of each sequence."""
+    cu = [0]
+    for n in q_lens:
+        cu.append(cu[-1] + n)
+    q = batch.queries(cu[-1])
+    device = q.device
+    cu_seqlens_q = torch.tensor(cu, dtype=torch.int32, device=device)
+    got = paged_attention_prefill(
+        q,
+        batch.k_cache,
+        batch.v_cache,
+        cu_seqlens_q,
+        batch.lens,
+        batch.block_tables,
+        max(q_lens),
+        batch.head_dim**-0.5,
+        **tiles,
+    )
+    want = torch.cat([batch.reference(q[cu[b] : cu[b + 1]], b, n) for b, n in enumerate(q_lens)])
+    return got, want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_prefill_with_cached_prefix_reads_the_prefix_through_the_block_table(dtype):
+    # The seed's extend step: 3 and 2 new tokens on top of 4 and 7 cached ones.
+    batch = PagedBatch([7, 9], num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, dtype=dtype)
+    got, want = run_prefill(batch, [3, 2], block_m=16, block_n=16)
+    assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size", "context_lens"),
+    [
+        (3, 3, 16, 1, [5, 1]),  # GQA ratio 1, one position per block
+        (9, 3, 64, 4, [8, 12, 3]),  # SmolLM2 heads, ratio 3, lengths on block boundaries
+        (4, 1, 32, 16, [16, 17]),  # ratio 4, one past a full block
+    ],
+)
+def test_prefill_of_whole_prompts_matches_causal_attention(
+    num_heads, num_kv_heads, head_dim, block_size, context_lens
+):
+    batch = PagedBatch(context_lens, num_heads, num_kv_heads, head_dim, block_size, torch.float32)
+    got, want = run_prefill(batch, context_lens, block_m=16, block_n=16)
+    assert_close(got, want, torch.float32)
+
+
+def test_prefill_longer_than_one_query_tile_and_one_key_tile():
+    batch = PagedBatch(
+        [40, 21], num_heads=2, num_kv_heads=1, head_dim=16, block_size=4, dtype=torch.float32
+    )
+    got, want = run_prefill(batch, [35, 21], block_m=16, block_n=16)  # 3 and 2 query tiles
+    assert_close(got, want, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 06: decode
+# ---------------------------------------------------------------------------------------------
+
+
+def run_decode(batch: PagedBatch, **launch):
+    """Kernel output (B, H, D) and the float64 reference of every non-padding row."""
+    q = batch.queries(len(batch.context_lens))
+    got = paged_attention_decode(
+        q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.lens,
+        batch.block_tables,
+        batch.head_dim**-0.5,
+        **launch,
+    )
+    live = [b for b, n in enumerate(batch.context_lens) if n > 0]
+    want = torch.cat([batch.reference(q[b : b + 1], b, 1) for b in live])
+    return got, got[live], want
+
+
+@pytest.mark.parametrize("partition_size", [16, 32, 256])  # 16, 32: split-K; 256: one partition
+def test_decode_with_and_without_split_k_matches_reference(partition_size):
+    batch = PagedBatch(
+        [50, 16, 17, 33],
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        block_size=4,
+        dtype=torch.float32,
+    )
+    _, got, want = run_decode(batch, partition_size=partition_size, block_n=16)
+    assert_close(got, want, torch.float32)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_decode_float64_across_block_sizes(block_size):
+    batch = PagedBatch(
+        [1, 16, 23],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=block_size,
+        dtype=torch.float64,
+    )
+    _, got, want = run_decode(batch, partition_size=16, block_n=16)
+    assert_close(got, want, torch.float64)
+
+
+@pytest.mark.parametrize("partition_size", [16, 64])
+def test_decode_padding_rows_give_zeros_and_poisoned_pages_stay_unread(partition_size):
+    # Unused blocks, positions past each context_len and the whole pool outside the tables hold
+    # NaN; rows with context_len 0 (a CUDA graph's padding) have tables of -1 only.
+    batch = PagedBatch(
+        [5, 18],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=4,
+        dtype=torch.float32,
+        padding_rows=2,
+    )
+    out, got, want = run_decode(batch, partition_size=partition_size, block_n=16)
+    assert torch.isfinite(out).all()
+    assert not out[2:].any()
+    assert_close(got, want, torch.float32)
+
+
+def test_decode_refuses_a_partition_that_is_not_whole_key_tiles():
+    batch = PagedBatch(
+        [5], num_heads=2, num_kv_heads=1, head_dim=16, block_size=4, dtype=torch.float32
+    )
+    with pytest.raises(ValueError, match="multiple of block_n"):
+        run_decode(batch, partition_size=24, block_n=16)
+
+
+def test_decode_partition_size_depends_only_on_static_shapes():
+    small = decode_partition_size(batch=1, num_kv_heads=1, max_context_len=4096, device="cpu")
+    large = decode_partition_size(batch=256, num_kv_heads=8, max_context_len=4096, device="cpu")
+    assert 256 <= small < large == 4096  # a small batch is split; a large one is not
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: Qwen3-0.6B shapes (H 16, H_kv 8, D 128), block_size 16, at the large engines' tolerances
+# ---------------------------------------------------------------------------------------------
+
+GPU_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def random_lens(count, low, high, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(low, high + 1, (count,), generator=gen).tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_gpu_store_is_bitwise_torch_scatter(dtype):
+    cuda = torch.device("cuda")
+    gen = torch.Generator().manual_seed(3)
+    key, value = fused_kv(4096, 16, 8, 128, dtype, cuda, gen)
+    slots = torch.randperm(2048 * 16, generator=gen)[:4096].to(cuda)
+    slots[::7] = -1
+    want_k = torch.randn(2048, 16, 8, 128, generator=gen).to(cuda, dtype)
+    want_v, got_k = torch.randn_like(want_k), want_k.clone()
+    got_v = want_v.clone()
+    torch_store(key, value, want_k, want_v, slots)
+    store_kvcache(key, value, got_k, got_v, slots)
+    assert torch.equal(got_k.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(got_v.view(torch.uint8), want_v.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize(("batch_size", "partition_size"), [(64, None), (256, None), (8, 256)])
+def test_gpu_decode_qwen3_shapes_match_reference(dtype, batch_size, partition_size):
+    lens = random_lens(batch_size, 1, 2000, seed=batch_size)
+    batch = PagedBatch(lens, 16, 8, 128, 16, dtype, device=torch.device("cuda"), padding_rows=3)
+    out, got, want = run_decode(batch, partition_size=partition_size)
+    assert torch.isfinite(out).all() and not out[batch_size:].any()
+    assert_close(got, want, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_gpu_prefill_with_cached_prefixes_matches_reference(dtype):
+    q_lens = random_lens(8, 1, 600, seed=4)
+    prefix = random_lens(8, 0, 1400, seed=5)
+    batch = PagedBatch(
+        [q + p for q, p in zip(q_lens, prefix)], 16, 8, 128, 16, dtype, device=torch.device("cuda")
+    )
+    got, want = run_prefill(batch, q_lens)
+    assert_close(got, want, dtype)
