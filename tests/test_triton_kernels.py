@@ -51,55 +51,42 @@ def fused_kv(num_tokens, num_heads, num_kv_heads, head_dim, dtype, device, gen):
 class PagedBatch:
     """A pool poisoned with NaN, sequences on shuffled blocks, their K/V stored by the oracle."""
 
-    def __init__(
-        self,
-        context_lens,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        block_size,
-        dtype,
-        device=CPU,
-        seed=0,
-        spare_blocks=3,
-        padding_rows=0,
-    ):
-        gen = torch.Generator().manual_seed(seed)
+    def __init__(self, context_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
+                 device=CPU, spare_blocks=3, padding_rows=0):  # fmt: skip
+        self.gen = torch.Generator(device).manual_seed(0)
+        self.num_heads, self.head_dim = num_heads, head_dim
         self.block_size, self.dtype = block_size, dtype
         self.context_lens = list(context_lens) + [0] * padding_rows  # padding rows own nothing
+        self.lens = torch.tensor(self.context_lens, dtype=torch.int32, device=device)
         counts = [-(-n // block_size) for n in self.context_lens]
-        num_blocks = sum(counts) + spare_blocks
-        order = torch.randperm(num_blocks, generator=gen).tolist()  # scattered, not in order
-        self.tables, start = [], 0
-        for count in counts:
-            self.tables.append(order[start : start + count])
-            start += count
-        width = max(max(counts), 1) + 1  # one extra -1 column, as a static buffer would have
+        num_blocks = sum(counts) + spare_blocks  # spare blocks stay NaN: nobody may read them
+        order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
+        self.tables = [order[sum(counts[:i]) : sum(counts[: i + 1])] for i in range(len(counts))]
+        width = max(counts) + 1  # one extra -1 column, as a static buffer would have
         rows = [t + [-1] * (width - len(t)) for t in self.tables]
         self.block_tables = torch.tensor(rows, dtype=torch.int32, device=device)
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
         self.v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
-        for table, n in zip(self.tables, self.context_lens):
-            k, v = (torch.randn(n, num_kv_heads, head_dim, generator=gen) for _ in range(2))
-            slots = torch.tensor(
-                [table[p // block_size] * block_size + p % block_size for p in range(n)],
-                dtype=torch.int64,
-            )
-            torch_store(
-                k.to(device, dtype),
-                v.to(device, dtype),
-                self.k_cache,
-                self.v_cache,
-                slots.to(device),
-            )
-        self.num_heads, self.head_dim, self.gen = num_heads, head_dim, gen
-        self.lens = torch.tensor(self.context_lens, dtype=torch.int32, device=device)
+        for b in range(len(self.context_lens)):
+            self._store_history(b)
+
+    def _store_history(self, b):
+        """Random K/V for all context_lens[b] positions of sequence b, stored by torch_store."""
+        n, device = self.context_lens[b], self.k_cache.device
+        positions = torch.arange(n, device=device)
+        table = torch.tensor(self.tables[b], dtype=torch.long, device=device)
+        slots = table[positions // self.block_size] * self.block_size + positions % self.block_size
+        k, v = (self._randn(n, *self.k_cache.shape[2:]) for _ in range(2))
+        torch_store(k, v, self.k_cache, self.v_cache, slots)
+
+    def _randn(self, *shape):
+        out = torch.randn(shape, generator=self.gen, device=self.k_cache.device)
+        return out.to(self.dtype)
 
     def queries(self, num_tokens):
         """(num_tokens, H, D) random queries in the pool's dtype."""
-        q = torch.randn(num_tokens, self.num_heads, self.head_dim, generator=self.gen)
-        return q.to(self.k_cache.device, self.dtype)
+        return self._randn(num_tokens, self.num_heads, self.head_dim)
 
     def reference(self, q, b, num_q):
         """attend() of sequence b's last num_q queries, K/V gathered through its table, float64."""

@@ -1,0 +1,229 @@
+"""Micro-benchmark of stage 06's decode kernel against torch, on one GPU, for one layer.
+
+Introduced in stage 06. Times paged decode attention (Triton split-K kernel; torch's gather path
+as stage 04 runs it; torch's paged FlexAttention; SDPA over a contiguous copy made beforehand)
+and reports K/V bytes read per second. A measurement tool only: no test runs it, and it needs CUDA.
+
+    PYTHONPATH=src python3 tools/bench_kernels.py                 # batch 256 x context 1024
+    PYTHONPATH=src python3 tools/bench_kernels.py --sweep         # also try tile/warp/stage sets
+    PYTHONPATH=src python3 tools/bench_kernels.py --ragged --batch 64 --context 2000
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve.kernels.paged_attention import paged_attention_decode, paged_attention_prefill
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--context", type=int, default=1024, help="context length (max if ragged)")
+    parser.add_argument("--ragged", action="store_true", help="lengths uniform in 1..context")
+    parser.add_argument("--heads", type=int, default=16)  # Qwen3-0.6B
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--sweep", action="store_true", help="try block_n x warps x stages sets")
+    parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (compiles)")
+    parser.add_argument("--no-prefill", action="store_true", help="skip the prefill rows")
+    return parser.parse_args()
+
+
+def time_us(fn, iters: int) -> float:
+    """Mean microseconds per call, CUDA events around `iters` calls after 3 warm-up calls."""
+    for _ in range(3):
+        fn()  # compiles (Triton JIT, torch.compile) and warms caches
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / iters
+
+
+class DecodeCase:
+    """One layer's paged pool in shuffled block order, plus the same K/V laid out contiguously."""
+
+    def __init__(self, args: argparse.Namespace):
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        dtype, bs = getattr(torch, args.dtype), args.block_size
+        b, hkv, d = args.batch, args.kv_heads, args.head_dim
+        if args.ragged:
+            lens = torch.randint(1, args.context + 1, (b,), device="cuda", generator=gen)
+        else:
+            lens = torch.full((b,), args.context, device="cuda")
+        self.context_lens = lens.to(torch.int32)
+        width = math.ceil(args.context / bs)  # every table as wide as the longest allows
+        num_blocks = b * width
+        order = torch.randperm(num_blocks, device="cuda", generator=gen).to(torch.int32)
+        self.block_tables = order.view(b, width)
+        used = torch.arange(width, device="cuda")[None, :] * bs < lens[:, None]
+        self.block_tables = torch.where(used, self.block_tables, -1)  # -1 past each length
+        shape = (num_blocks, bs, hkv, d)
+        self.k_cache = torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
+        self.v_cache = torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
+        self.q = torch.randn(b, args.heads, d, device="cuda", dtype=dtype, generator=gen)
+        self.scale = d**-0.5
+        tables = self.block_tables.clamp(min=0).long()
+        # (B, H_kv, L, D) contiguous copies, made once and never timed: SDPA's best case.
+        self.k_dense = self.k_cache[tables].flatten(1, 2).transpose(1, 2).contiguous()
+        self.v_dense = self.v_cache[tables].flatten(1, 2).transpose(1, 2).contiguous()
+        positions = torch.arange(self.k_dense.shape[2], device="cuda")
+        self.pad_mask = (positions[None, :] < lens[:, None])[:, None, None, :]  # True = attend
+        self.kv_bytes = int(lens.sum()) * hkv * d * 2 * self.k_cache.element_size()
+        self.reference = self.sdpa(self.q.float(), self.k_dense.float(), self.v_dense.float())
+
+    def sdpa(self, q, k_dense, v_dense) -> torch.Tensor:
+        """SDPA (enable_gqa) of one query per row over the contiguous copy; (B, H, D)."""
+        out = F.scaled_dot_product_attention(
+            q[:, :, None], k_dense, v_dense, attn_mask=self.pad_mask, scale=self.scale,
+            enable_gqa=True,
+        )  # fmt: skip
+        return out[:, :, 0]
+
+
+def gather_decode(case: DecodeCase) -> torch.Tensor:
+    """Stage 04's path: gather every block of every table, then attend with padding masked."""
+    tables = case.block_tables.clamp(min=0)
+    keys = case.k_cache[tables].flatten(1, 2)  # (B, W * block_size, H_kv, D), a fresh copy
+    values = case.v_cache[tables].flatten(1, 2)
+    return case.sdpa(case.q, keys.transpose(1, 2), values.transpose(1, 2))
+
+
+def flex_decode_fn(case: DecodeCase):
+    """torch's paged FlexAttention: the pool as one batch-1 sequence, pages as KV blocks."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    num_blocks, bs, hkv, d = case.k_cache.shape
+    batch, width = case.block_tables.shape
+    tables = case.block_tables
+    # physical_to_logical[b, page] = the page's index in b's table, -1 where b does not own it.
+    physical_to_logical = torch.full((batch, num_blocks), -1, dtype=torch.int32, device="cuda")
+    rows = torch.arange(batch, device="cuda")[:, None].expand(batch, width)
+    cols = torch.arange(width, device="cuda", dtype=torch.int32)[None, :].expand(batch, width)
+    owned = tables >= 0
+    physical_to_logical[rows[owned], tables[owned].long()] = cols[owned]
+    lens = case.context_lens
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        logical_block = physical_to_logical[b, kv_idx // bs]
+        return (logical_block >= 0) & (logical_block * bs + kv_idx % bs < lens[b])
+
+    kv_num_blocks = ((lens + bs - 1) // bs).view(batch, 1, 1)
+    kv_indices = tables.clamp(min=0).view(batch, 1, 1, width)
+    block_mask = BlockMask.from_kv_blocks(
+        kv_num_blocks, kv_indices, BLOCK_SIZE=(16, bs), mask_mod=mask_mod,
+        seq_lengths=(1, num_blocks * bs), compute_q_blocks=False,
+    )  # fmt: skip
+    k_flat = case.k_cache.view(1, num_blocks * bs, hkv, d).transpose(1, 2)  # (1, H_kv, S, D)
+    v_flat = case.v_cache.view(1, num_blocks * bs, hkv, d).transpose(1, 2)
+    flex = torch.compile(flex_attention, dynamic=False)
+    q = case.q[:, :, None]  # (B, H, 1, D)
+    return lambda: flex(q, k_flat, v_flat, block_mask=block_mask, scale=case.scale,
+                        enable_gqa=True)[:, :, 0]  # fmt: skip
+
+
+def report(name: str, fn, case: DecodeCase, iters: int) -> None:
+    """One table row: time, effective K/V bandwidth, max abs error against fp32 SDPA."""
+    try:
+        err = (fn().float() - case.reference).abs().max().item()
+        us = time_us(fn, iters)
+    except Exception as exc:  # a comparison that cannot run here is reported, not fatal
+        print(f"{name:<52} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:60]}")
+        return
+    print(f"{name:<52} {us:>9.1f} {case.kv_bytes / us / 1e6:>8.2f} {err:>10.2e}")
+
+
+def triton_configs(sweep: bool):
+    """(label, kwargs) pairs for paged_attention_decode; the defaults first."""
+    yield "triton split-K decode (defaults)", {}
+    yield "triton split-K decode (partition_size 512)", {"partition_size": 512}
+    if not sweep:
+        return
+    for block_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3, 4)):
+        for part in (None, 512):
+            kw = dict(block_n=block_n, num_warps=warps, num_stages=stages, partition_size=part)
+            yield f"triton n={block_n} w={warps} s={stages} part={part or 'auto'}", kw
+
+
+def bench_decode(args: argparse.Namespace) -> None:
+    case = DecodeCase(args)
+    lens = case.context_lens
+    print(f"decode: batch {args.batch}, context {'<= ' if args.ragged else ''}{args.context} "
+          f"(mean {lens.float().mean():.0f}), H {args.heads}, H_kv {args.kv_heads}, "
+          f"D {args.head_dim}, block_size {args.block_size}, {args.dtype}; "
+          f"K/V read {case.kv_bytes / 1e9:.3f} GB per call")  # fmt: skip
+    print(f"{'kernel':<52} {'us':>9} {'TB/s':>8} {'max err':>10}")
+    args_ = (case.q, case.k_cache, case.v_cache, case.context_lens, case.block_tables, case.scale)
+    for label, kw in triton_configs(args.sweep):
+        report(label, lambda kw=kw: paged_attention_decode(*args_, **kw), case, args.iters)
+    report("torch gather (stage 04: k_cache[tables]) + SDPA", lambda: gather_decode(case), case,
+           args.iters)  # fmt: skip
+    if not args.no_flex:
+        try:
+            report("torch FlexAttention paged (compiled)", flex_decode_fn(case), case, args.iters)
+        except Exception as exc:
+            print(f"torch FlexAttention paged: setup failed: {type(exc).__name__}: {exc}")
+    report("SDPA over a contiguous copy (copy not timed)",
+           lambda: case.sdpa(case.q, case.k_dense, case.v_dense), case, args.iters)  # fmt: skip
+
+
+def bench_prefill(args: argparse.Namespace) -> None:
+    """Whole prompts of `context` tokens, `batch // 16` of them: Triton paged vs SDPA causal."""
+    num_seqs, length, dtype = max(args.batch // 16, 1), args.context, getattr(torch, args.dtype)
+    bs, hkv, d = args.block_size, args.kv_heads, args.head_dim
+    width = math.ceil(length / bs)
+    order = torch.randperm(num_seqs * width, device="cuda").to(torch.int32).view(num_seqs, width)
+    k_cache = torch.randn(num_seqs * width, bs, hkv, d, device="cuda", dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(num_seqs * length, args.heads, d, device="cuda", dtype=dtype)
+    cu = torch.arange(0, num_seqs + 1, device="cuda", dtype=torch.int32) * length
+    lens = torch.full((num_seqs,), length, device="cuda", dtype=torch.int32)
+    tables = order.long()
+    k_dense = k_cache[tables].flatten(1, 2)[:, :length].transpose(1, 2).contiguous()
+    v_dense = v_cache[tables].flatten(1, 2)[:, :length].transpose(1, 2).contiguous()
+    q_dense = q.view(num_seqs, length, args.heads, d).transpose(1, 2)
+    flops = 4 * num_seqs * args.heads * d * length * length / 2  # causal: half the scores
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q_dense, k_dense, v_dense, is_causal=True,
+                                              scale=d**-0.5, enable_gqa=True)  # fmt: skip
+
+    def paged():
+        return paged_attention_prefill(q, k_cache, v_cache, cu, lens, order, length, d**-0.5)
+
+    ref = sdpa().transpose(1, 2).reshape(q.shape).float()
+    print(f"\nprefill: {num_seqs} prompts x {length} tokens, {args.dtype}")
+    print(f"{'kernel':<52} {'us':>9} {'TFLOP/s':>8} {'max err':>10}")
+    for name, fn in (("triton paged prefill", paged), ("SDPA causal, contiguous", sdpa)):
+        out = fn()
+        out = out.transpose(1, 2).reshape(q.shape) if out.dim() == 4 else out
+        us = time_us(fn, args.iters)
+        err = (out.float() - ref).abs().max().item()
+        print(f"{name:<52} {us:>9.1f} {flops / us / 1e6:>8.1f} {err:>10.2e}")
+
+
+def main() -> None:
+    args = parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_kernels needs a CUDA GPU")
+    props = torch.cuda.get_device_properties(0)
+    print(f"{props.name}, torch {torch.__version__}, triton {__import__('triton').__version__}")
+    bench_decode(args)
+    if not args.no_prefill:
+        bench_prefill(args)
+
+
+if __name__ == "__main__":
+    main()
