@@ -8,6 +8,7 @@ right. Tests marked `gpu` run realistic Qwen3-0.6B shapes in bf16/fp16/fp32 on a
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -25,6 +26,17 @@ from nanoserve.kernels.paged_attention import (  # noqa: E402
 from nanoserve.kernels.store import store_kvcache  # noqa: E402
 
 CPU = torch.device("cpu")
+
+
+class Heads(NamedTuple):
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+TINY = Heads(4, 2, 16)  # GQA ratio 2
+SMOLLM2 = Heads(9, 3, 64)  # ratio 3; H_kv * D = 192, not a power of two
+QWEN3 = Heads(16, 8, 128)  # Qwen3-0.6B
 TOLERANCE = {  # (atol, rtol) against a float64 torch reference
     torch.float64: (1e-12, 1e-12),
     torch.float32: (1e-5, 1e-5),
@@ -51,15 +63,15 @@ def fused_kv(num_tokens, num_heads, num_kv_heads, head_dim, dtype, device, gen):
 class PagedBatch:
     """A pool poisoned with NaN, sequences on shuffled blocks, their K/V stored by the oracle."""
 
-    def __init__(self, context_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
-                 device=CPU, spare_blocks=3, padding_rows=0):  # fmt: skip
+    def __init__(self, context_lens, heads: Heads, block_size, dtype, device=CPU, padding_rows=0):
         self.gen = torch.Generator(device).manual_seed(0)
+        num_heads, num_kv_heads, head_dim = heads
         self.num_heads, self.head_dim = num_heads, head_dim
         self.block_size, self.dtype = block_size, dtype
         self.context_lens = list(context_lens) + [0] * padding_rows  # padding rows own nothing
         self.lens = torch.tensor(self.context_lens, dtype=torch.int32, device=device)
         counts = [-(-n // block_size) for n in self.context_lens]
-        num_blocks = sum(counts) + spare_blocks  # spare blocks stay NaN: nobody may read them
+        num_blocks = sum(counts) + 3  # 3 spare blocks stay NaN: nobody may read them
         order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
         self.tables = [order[sum(counts[:i]) : sum(counts[: i + 1])] for i in range(len(counts))]
         width = max(counts) + 1  # one extra -1 column, as a static buffer would have
@@ -149,19 +161,10 @@ def run_prefill(batch: PagedBatch, q_lens, **tiles):
     for n in q_lens:
         cu.append(cu[-1] + n)
     q = batch.queries(cu[-1])
-    device = q.device
-    cu_seqlens_q = torch.tensor(cu, dtype=torch.int32, device=device)
-    got = paged_attention_prefill(
-        q,
-        batch.k_cache,
-        batch.v_cache,
-        cu_seqlens_q,
-        batch.lens,
-        batch.block_tables,
-        max(q_lens),
-        batch.head_dim**-0.5,
-        **tiles,
-    )
+    cu_seqlens_q = torch.tensor(cu, dtype=torch.int32, device=q.device)
+    caches = (batch.k_cache, batch.v_cache)
+    metadata = (cu_seqlens_q, batch.lens, batch.block_tables, max(q_lens))
+    got = paged_attention_prefill(q, *caches, *metadata, batch.head_dim**-0.5, **tiles)
     want = torch.cat([batch.reference(q[cu[b] : cu[b + 1]], b, n) for b, n in enumerate(q_lens)])
     return got, want
 
@@ -169,31 +172,28 @@ def run_prefill(batch: PagedBatch, q_lens, **tiles):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_prefill_with_cached_prefix_reads_the_prefix_through_the_block_table(dtype):
     # The seed's extend step: 3 and 2 new tokens on top of 4 and 7 cached ones.
-    batch = PagedBatch([7, 9], num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, dtype=dtype)
+    batch = PagedBatch([7, 9], TINY, block_size=4, dtype=dtype)
     got, want = run_prefill(batch, [3, 2], block_m=16, block_n=16)
     assert_close(got, want, dtype)
 
 
 @pytest.mark.parametrize(
-    ("num_heads", "num_kv_heads", "head_dim", "block_size", "context_lens"),
+    ("heads", "block_size", "context_lens", "tile"),
     [
-        (3, 3, 16, 1, [5, 1]),  # GQA ratio 1, one position per block
-        (9, 3, 64, 4, [8, 12, 3]),  # SmolLM2 heads, ratio 3, lengths on block boundaries
-        (4, 1, 32, 16, [16, 17]),  # ratio 4, one past a full block
+        (Heads(3, 3, 16), 1, [5, 1], 16),  # GQA ratio 1, one position per block
+        (SMOLLM2, 4, [8, 12, 3], 16),  # ratio 3, lengths on block boundaries
+        (Heads(4, 1, 32), 16, [16, 17], 16),  # ratio 4, one past a full block
+        (Heads(4, 1, 128), 256, [260, 40], 64),  # head_dim 128, pages of 256
     ],
 )
-def test_prefill_of_whole_prompts_matches_causal_attention(
-    num_heads, num_kv_heads, head_dim, block_size, context_lens
-):
-    batch = PagedBatch(context_lens, num_heads, num_kv_heads, head_dim, block_size, torch.float32)
-    got, want = run_prefill(batch, context_lens, block_m=16, block_n=16)
+def test_prefill_of_whole_prompts_matches_causal_attention(heads, block_size, context_lens, tile):
+    batch = PagedBatch(context_lens, heads, block_size, torch.float32)
+    got, want = run_prefill(batch, context_lens, block_m=tile, block_n=tile)
     assert_close(got, want, torch.float32)
 
 
 def test_prefill_longer_than_one_query_tile_and_one_key_tile():
-    batch = PagedBatch(
-        [40, 21], num_heads=2, num_kv_heads=1, head_dim=16, block_size=4, dtype=torch.float32
-    )
+    batch = PagedBatch([40, 21], Heads(2, 1, 16), block_size=4, dtype=torch.float32)
     got, want = run_prefill(batch, [35, 21], block_m=16, block_n=16)  # 3 and 2 query tiles
     assert_close(got, want, torch.float32)
 
@@ -204,17 +204,11 @@ def test_prefill_longer_than_one_query_tile_and_one_key_tile():
 
 
 def run_decode(batch: PagedBatch, **launch):
-    """Kernel output (B, H, D) and the float64 reference of every non-padding row."""
+    """Kernel output (B, H, D), its non-padding rows, and their float64 reference."""
     q = batch.queries(len(batch.context_lens))
-    got = paged_attention_decode(
-        q,
-        batch.k_cache,
-        batch.v_cache,
-        batch.lens,
-        batch.block_tables,
-        batch.head_dim**-0.5,
-        **launch,
-    )
+    metadata = (batch.lens, batch.block_tables)
+    got = paged_attention_decode(q, batch.k_cache, batch.v_cache, *metadata, batch.head_dim**-0.5,
+                                 **launch)  # fmt: skip
     live = [b for b, n in enumerate(batch.context_lens) if n > 0]
     want = torch.cat([batch.reference(q[b : b + 1], b, 1) for b in live])
     return got, got[live], want
@@ -222,45 +216,29 @@ def run_decode(batch: PagedBatch, **launch):
 
 @pytest.mark.parametrize("partition_size", [16, 32, 256])  # 16, 32: split-K; 256: one partition
 def test_decode_with_and_without_split_k_matches_reference(partition_size):
-    batch = PagedBatch(
-        [50, 16, 17, 33],
-        num_heads=9,
-        num_kv_heads=3,
-        head_dim=64,
-        block_size=4,
-        dtype=torch.float32,
-    )
+    batch = PagedBatch([50, 16, 17, 33], SMOLLM2, block_size=4, dtype=torch.float32)
     _, got, want = run_decode(batch, partition_size=partition_size, block_n=16)
     assert_close(got, want, torch.float32)
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_decode_float64_across_block_sizes(block_size):
-    batch = PagedBatch(
-        [1, 16, 23],
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        block_size=block_size,
-        dtype=torch.float64,
-    )
+    batch = PagedBatch([1, 16, 23], TINY, block_size=block_size, dtype=torch.float64)
     _, got, want = run_decode(batch, partition_size=16, block_n=16)
     assert_close(got, want, torch.float64)
+
+
+def test_decode_head_dim_128_over_pages_of_256_with_split_k():
+    batch = PagedBatch([300, 256, 257], Heads(4, 1, 128), block_size=256, dtype=torch.float32)
+    _, got, want = run_decode(batch, partition_size=128, block_n=64)
+    assert_close(got, want, torch.float32)
 
 
 @pytest.mark.parametrize("partition_size", [16, 64])
 def test_decode_padding_rows_give_zeros_and_poisoned_pages_stay_unread(partition_size):
     # Unused blocks, positions past each context_len and the whole pool outside the tables hold
     # NaN; rows with context_len 0 (a CUDA graph's padding) have tables of -1 only.
-    batch = PagedBatch(
-        [5, 18],
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        block_size=4,
-        dtype=torch.float32,
-        padding_rows=2,
-    )
+    batch = PagedBatch([5, 18], TINY, block_size=4, dtype=torch.float32, padding_rows=2)
     out, got, want = run_decode(batch, partition_size=partition_size, block_n=16)
     assert torch.isfinite(out).all()
     assert not out[2:].any()
@@ -268,9 +246,7 @@ def test_decode_padding_rows_give_zeros_and_poisoned_pages_stay_unread(partition
 
 
 def test_decode_refuses_a_partition_that_is_not_whole_key_tiles():
-    batch = PagedBatch(
-        [5], num_heads=2, num_kv_heads=1, head_dim=16, block_size=4, dtype=torch.float32
-    )
+    batch = PagedBatch([5], TINY, block_size=4, dtype=torch.float32)
     with pytest.raises(ValueError, match="multiple of block_n"):
         run_decode(batch, partition_size=24, block_n=16)
 
@@ -282,9 +258,10 @@ def test_decode_partition_size_depends_only_on_static_shapes():
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU: Qwen3-0.6B shapes (H 16, H_kv 8, D 128), block_size 16, at the large engines' tolerances
+# GPU: realistic shapes in bf16/fp16/fp32 at the tolerances the large engines use
 # ---------------------------------------------------------------------------------------------
 
+CUDA = torch.device("cuda")
 GPU_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
@@ -296,12 +273,11 @@ def random_lens(count, low, high, seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 def test_gpu_store_is_bitwise_torch_scatter(dtype):
-    cuda = torch.device("cuda")
-    gen = torch.Generator().manual_seed(3)
-    key, value = fused_kv(4096, 16, 8, 128, dtype, cuda, gen)
-    slots = torch.randperm(2048 * 16, generator=gen)[:4096].to(cuda)
-    slots[::7] = -1
-    want_k = torch.randn(2048, 16, 8, 128, generator=gen).to(cuda, dtype)
+    gen = torch.Generator(CUDA).manual_seed(3)
+    key, value = fused_kv(4096, 16, 8, 128, dtype, CUDA, torch.Generator().manual_seed(3))
+    slots = torch.randperm(2048 * 16, generator=gen, device=CUDA)[:4096]
+    slots[::7] = -1  # padding rows
+    want_k = torch.randn(2048, 16, 8, 128, generator=gen, device=CUDA).to(dtype)
     want_v, got_k = torch.randn_like(want_k), want_k.clone()
     got_v = want_v.clone()
     torch_store(key, value, want_k, want_v, slots)
@@ -315,7 +291,7 @@ def test_gpu_store_is_bitwise_torch_scatter(dtype):
 @pytest.mark.parametrize(("batch_size", "partition_size"), [(64, None), (256, None), (8, 256)])
 def test_gpu_decode_qwen3_shapes_match_reference(dtype, batch_size, partition_size):
     lens = random_lens(batch_size, 1, 2000, seed=batch_size)
-    batch = PagedBatch(lens, 16, 8, 128, 16, dtype, device=torch.device("cuda"), padding_rows=3)
+    batch = PagedBatch(lens, QWEN3, block_size=16, dtype=dtype, device=CUDA, padding_rows=3)
     out, got, want = run_decode(batch, partition_size=partition_size)
     assert torch.isfinite(out).all() and not out[batch_size:].any()
     assert_close(got, want, dtype)
@@ -323,11 +299,21 @@ def test_gpu_decode_qwen3_shapes_match_reference(dtype, batch_size, partition_si
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
-def test_gpu_prefill_with_cached_prefixes_matches_reference(dtype):
+@pytest.mark.parametrize(("heads", "block_size"), [(QWEN3, 16), (SMOLLM2, 256), (SMOLLM2, 4)])
+def test_gpu_prefill_with_cached_prefixes_matches_reference(dtype, heads, block_size):
     q_lens = random_lens(8, 1, 600, seed=4)
     prefix = random_lens(8, 0, 1400, seed=5)
-    batch = PagedBatch(
-        [q + p for q, p in zip(q_lens, prefix)], 16, 8, 128, 16, dtype, device=torch.device("cuda")
-    )
+    lens = [q + p for q, p in zip(q_lens, prefix)]
+    batch = PagedBatch(lens, heads, block_size=block_size, dtype=dtype, device=CUDA)
     got, want = run_prefill(batch, q_lens)
+    assert_close(got, want, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("block_size", [4, 256])
+def test_gpu_decode_smollm2_shapes_across_block_sizes(dtype, block_size):
+    lens = random_lens(32, 1, 1500, seed=block_size)
+    batch = PagedBatch(lens, SMOLLM2, block_size=block_size, dtype=dtype, device=CUDA)
+    _, got, want = run_decode(batch)
     assert_close(got, want, dtype)
