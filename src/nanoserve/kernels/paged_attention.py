@@ -1,9 +1,8 @@
-"""Stage 06: attention that reads K/V straight from scattered pages, in Triton.
+"""Stage 06: attention reading K/V straight from scattered pages: varlen prefill, split-K decode.
 
-Introduced in stage 06. Two kernels share one inner step (load a tile of keys through the block
-table, fold it into an online softmax): a varlen prefill/extend kernel (FlashAttention's
-algorithm) and a split-K decode kernel with a reduce (flash-decoding). Neither gathers a
-contiguous copy of a sequence's K/V, and neither writes the cache: store_kvcache runs first.
+Introduced in stage 06. Both kernels share one step: load a key tile through the block table and
+fold it into an online softmax (FlashAttention's algorithm; decode adds flash-decoding's reduce).
+Neither gathers a contiguous copy of a sequence's K/V, nor writes the cache (store runs first).
 """
 
 from __future__ import annotations
@@ -157,17 +156,18 @@ def paged_attention_prefill(
 # ---------------------------------------------------------------------------------------------
 # Decode: one query per sequence, split-K (flash-decoding).
 #
-#   A sequence's context is cut into partitions of PARTITION_SIZE positions; program
-#   (b, g, p) attends the GROUP query heads of kv head g (one tile: K/V read once per group)
-#   over partition p and writes its partial (max, sum, unnormalised acc). The reduce kernel,
-#   program (b, h), merges the partials of row b, head h:
+#   grid = (B, H_kv, num_partitions). A sequence's context is cut into partitions of
+#   partition_size positions; program (b, g, p) attends the GROUP query heads of kv head g
+#   (one tile of rows: K/V are read once per group, not once per query head) over partition p
+#   and writes its partial (max, sum, unnormalised acc). The reduce kernel, grid (B, H), merges
+#   the partials of row b, head h:
 #
-#     context_len 1100, PARTITION_SIZE 512, NUM_PARTITIONS 4 (static: block table width)
+#     context_len 1100, partition_size 512, num_partitions 4 (static: 4 x 512 = table capacity)
 #     |---- p0: 0..511 ----|---- p1: 512..1023 ----|- p2: 1024..1099 -|  p3: exits at once
 #       (m0, l0, acc0)         (m1, l1, acc1)         (m2, l2, acc2)
 #     M = max(m_p);  w_p = exp2(m_p - M);  out = sum_p w_p acc_p / sum_p w_p l_p
 #
-#   NUM_PARTITIONS comes from static shapes only, so a CUDA graph can capture the launch; the
+#   num_partitions comes from static shapes only, so a CUDA graph can capture the launch; the
 #   lengths are read on the device. With one partition (split-K off) the first kernel
 #   normalises and writes the output itself and the reduce is not launched.
 # ---------------------------------------------------------------------------------------------

@@ -73,6 +73,7 @@ def store_kvcache(
     if num_tokens == 0:
         return
     row_size = num_kv_heads * head_dim
+    block_row = triton.next_power_of_2(row_size)
     _store_kvcache_kernel[(num_tokens,)](
         key,
         value,
@@ -83,7 +84,8 @@ def store_kvcache(
         *value.stride(),
         HEAD_DIM=head_dim,
         ROW_SIZE=row_size,
-        BLOCK_ROW=triton.next_power_of_2(row_size),
+        BLOCK_ROW=block_row,
+        num_warps=max(1, min(8, block_row // 256)),  # 8 values a thread: 16-byte accesses in bf16
     )
 
 
