@@ -3,13 +3,14 @@
 Introduced in stage 00. Tokens arrive packed along one axis (no batch dimension, no padding), with
 their positions; attention is delegated to a backend object passed into `forward`, which is where
 every later stage changes how keys and values are stored. Parameter names match Hugging Face's, so
-a checkpoint's state dict loads as it is.
+a checkpoint's state dict loads as it is; projections are `layers/linear.py` layers, not nn.Linear.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoserve.layers.linear import ReplicatedLinear
 from nanoserve.layers.norm import RMSNorm
 from nanoserve.layers.rotary import RotaryEmbedding, apply_rotary
 from nanoserve.models.config import ModelConfig
@@ -28,16 +29,16 @@ class Attention(nn.Module):
         hidden = config.hidden_size
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = config.attention_bias
-        self.q_proj = nn.Linear(hidden, q_size, bias=bias)
-        self.k_proj = nn.Linear(hidden, kv_size, bias=bias)
-        self.v_proj = nn.Linear(hidden, kv_size, bias=bias)
-        self.o_proj = nn.Linear(q_size, hidden, bias=False)
+        self.q_proj = ReplicatedLinear(hidden, q_size, bias=bias)
+        self.k_proj = ReplicatedLinear(hidden, kv_size, bias=bias)
+        self.v_proj = ReplicatedLinear(hidden, kv_size, bias=bias)
+        self.o_proj = ReplicatedLinear(q_size, hidden, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
 
-    def forward(self, x: torch.Tensor, rope: tuple, attn) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple, attn, metadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -45,7 +46,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, *rope)
-        out = attn.forward(self.layer_id, q, k, v, self.scale)  # (T, H, D)
+        out = attn.forward(self.layer_id, q, k, v, self.scale, metadata)  # (T, H, D)
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
@@ -54,9 +55,9 @@ class MLP(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = ReplicatedLinear(config.hidden_size, config.intermediate_size)
+        self.up_proj = ReplicatedLinear(config.hidden_size, config.intermediate_size)
+        self.down_proj = ReplicatedLinear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return swiglu(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
@@ -77,8 +78,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, rope: tuple, attn) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, attn)
+    def forward(self, x: torch.Tensor, rope: tuple, attn, metadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, attn, metadata)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -94,27 +95,28 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn, metadata):
         x = self.embed_tokens(input_ids)  # (T, hidden)
         rope = self.rotary.cos_sin(positions, x.dtype)  # (T, head_dim) each, shared by all layers
         for layer in self.layers:
-            x = layer(x, rope, attn)
+            x = layer(x, rope, attn, metadata)
         return self.norm(x)
 
 
 class CausalLM(nn.Module):
     """The decoder plus its language-model head.
 
-    `attn` is the attention backend: any object with
-    `forward(layer_id, q (T, H, D), k (T, H_kv, D), v (T, H_kv, D), scale) -> (T, H, D)`.
-    It may store k and v (that is the KV cache); it must not change q, k or v.
+    `attn` is the attention backend (kernels/backend.py's `AttentionBackend`): every layer calls
+    `attn.forward(layer_id, q (T, H, D), k (T, H_kv, D), v (T, H_kv, D), scale, metadata)`
+    -> (T, H, D). It may store k and v (that is the KV cache); it must not change q, k or v.
+    `metadata` (an `AttentionMetadata`) is passed through untouched, explicitly, never global.
     """
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
         self.model = DecoderModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -127,9 +129,9 @@ class CausalLM(nn.Module):
         """The dtype of the weights."""
         return self.lm_head.weight.dtype
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn, metadata):
         """Final hidden states for every packed token, (T, hidden)."""
-        return self.model(input_ids, positions, attn)
+        return self.model(input_ids, positions, attn, metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the vocabulary for the given hidden states, (N, vocab)."""
