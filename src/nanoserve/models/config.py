@@ -6,6 +6,7 @@ engine settings (those live in `nanoserve.config.EngineConfig`).
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 # model_type in config.json -> (qkv projections have a bias, q/k get a per-head RMSNorm)
@@ -14,6 +15,18 @@ ARCHITECTURES = {
     "qwen2": (True, False),
     "qwen3": (False, True),
 }
+# config.json keys with no sensible default: without them the decoder has no shape
+REQUIRED_KEYS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+)  # fmt: skip
+SIZE_FIELDS = (*REQUIRED_KEYS, "num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
+def check_sizes(sizes: dict) -> None:
+    """ValueError naming the first size that is not a positive integer (a bool is not a size)."""
+    for key, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"{key} must be a positive integer, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -39,6 +52,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
+        check_sizes({key: getattr(self, key) for key in SIZE_FIELDS})
         if self.model_type not in ARCHITECTURES:
             raise ValueError(
                 f"model_type {self.model_type!r} is not supported; "
@@ -52,7 +66,10 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> ModelConfig:
-        """Build from a Hugging Face `config.json` dict (llama, qwen2 or qwen3)."""
+        """Build from a Hugging Face `config.json` dict; ValueError names a missing or bad key."""
+        if missing := [key for key in REQUIRED_KEYS if d.get(key) is None]:
+            raise ValueError(f"config lacks required key(s): {', '.join(missing)}")
+        check_sizes({key: d[key] for key in REQUIRED_KEYS})  # before head_dim divides by them
         model_type = d.get("model_type", "llama")
         bias, qk_norm = ARCHITECTURES.get(model_type, (False, False))  # __post_init__ rejects
         num_heads = d["num_attention_heads"]

@@ -6,19 +6,30 @@ here. It deliberately does not keep weights quantized, decode K-quants, or load 
 
 from __future__ import annotations
 
+import enum
 import math
 import os
 import re
 from typing import TYPE_CHECKING, NamedTuple
 
-import gguf
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # both imported where used: only GGUF files need them (no `gguf` on some GPUs)
+    import gguf
     import transformers
 
-Q = gguf.GGMLQuantizationType
+
+class TensorType(enum.IntEnum):
+    """The tensor types decoded here, numbered as in the GGUF format (gguf's own enum compares
+    equal, member for member)."""
+
+    F32 = 0
+    F16 = 1
+    Q4_0 = 2
+    Q4_1 = 3
+    Q8_0 = 8
+    BF16 = 30
 
 
 class GGUFCheckpoint(NamedTuple):
@@ -84,23 +95,22 @@ def _q4_1(blocks: np.ndarray) -> np.ndarray:
 
 # type -> (elements per block, bytes per block, decoder)
 _FORMATS = {
-    Q.F32: (1, 4, lambda b: b.view(np.float32).copy()),  # copy: never hand out the file's memmap
-    Q.F16: (1, 2, lambda b: b.view(np.float16)),
-    Q.BF16: (1, 2, _bf16),
-    Q.Q8_0: (32, 34, _q8_0),
-    Q.Q4_0: (32, 18, _q4_0),
-    Q.Q4_1: (32, 20, _q4_1),
+    # F32 copies: never hand out the file's memmap
+    TensorType.F32: (1, 4, lambda b: b.view(np.float32).copy()),
+    TensorType.F16: (1, 2, lambda b: b.view(np.float16)),
+    TensorType.BF16: (1, 2, _bf16),
+    TensorType.Q8_0: (32, 34, _q8_0),
+    TensorType.Q4_0: (32, 18, _q4_0),
+    TensorType.Q4_1: (32, 20, _q4_1),
 }
 
 
-def dequantize(
-    data: np.ndarray, tensor_type: gguf.GGMLQuantizationType, shape: tuple[int, ...]
-) -> np.ndarray:
+def dequantize(data: np.ndarray, tensor_type: int, shape: tuple[int, ...]) -> np.ndarray:
     """Decode a GGUF tensor's raw data into a float32 array of numpy (row-major) `shape`."""
-    tensor_type = Q(tensor_type)
-    if tensor_type not in _FORMATS:
+    if tensor_type not in _FORMATS:  # an IntEnum hashes as its number: gguf's enum finds ours
+        name = getattr(tensor_type, "name", tensor_type)
         names = ", ".join(t.name for t in _FORMATS)
-        raise ValueError(f"tensor type {tensor_type.name} is not supported (supported: {names})")
+        raise ValueError(f"tensor type {name} is not supported (supported: {names})")
     block_elements, block_bytes, decode = _FORMATS[tensor_type]
     raw = np.asarray(data).reshape(-1).view(np.uint8)  # whatever dtype the reader gave, as bytes
     count = math.prod(shape)
@@ -198,6 +208,8 @@ def _config(meta: dict, tensor_names: set[str], path: str | os.PathLike) -> dict
 # ---- the file ------------------------------------------------------------------------------------
 def _open(path: str | os.PathLike) -> gguf.GGUFReader:
     """A reader over a llama GGUF file; ValueError for anything else."""
+    import gguf  # lazy: only GGUF files need the package
+
     try:
         reader = gguf.GGUFReader(path)
     except (ValueError, IndexError) as e:  # bad magic, empty, or cut short somewhere
