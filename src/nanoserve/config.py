@@ -1,17 +1,21 @@
 """Engine settings: one frozen, validated dataclass passed explicitly to whatever needs it.
 
 Introduced in stage 00. Things measured at run time (how many KV blocks fit) are returned by the
-function that measures them and never written back here.
+function that measures them and never written back here. Validation checks each field's type and
+range on its own; what needs the model or the device (backend names, CUDA) is checked above.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import difflib
+import math
+import numbers
+from dataclasses import dataclass, fields
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How big batches may be and how the KV cache is sized."""
+    """How big batches may be, how the KV cache is sized and which attention backend runs."""
 
     max_model_len: int = 2048  # prompt + completion tokens of one sequence, at most (LLM and
     # bench build configs with `engine_config_for`, whose default is the model's, up to 4096)
@@ -22,33 +26,84 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # stage 03+: pool size (default: what fits the budget)
     kv_cache_bytes: int | None = None  # stage 01+: CPU budget for the cache (default 1 GiB)
     gpu_memory_utilization: float = 0.9  # stage 01+: share of GPU memory the engine may use
+    attention_backend: str = "auto"  # stage 04+: "auto" picks per device; the engine's backend
+    # selector checks the name (it lives above config), so here it need only be a non-empty str
 
     def __post_init__(self):
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
-            _require(getattr(self, name) >= 1, name, getattr(self, name), ">= 1")
+            self._require_count(name, optional=False)
         for name in ("num_slabs", "num_kv_blocks", "kv_cache_bytes"):
-            value = getattr(self, name)
-            _require(value is None or value >= 1, name, value, "None or >= 1")
+            self._require_count(name, optional=True)
+        fraction = self.gpu_memory_utilization
+        _require(
+            is_real(fraction) and 0 < fraction <= 1,
+            "gpu_memory_utilization",
+            fraction,
+            "a finite number in (0, 1]",
+        )
+        backend = self.attention_backend
+        _require(
+            isinstance(backend, str) and backend.strip() != "",
+            "attention_backend",
+            backend,
+            'a non-empty backend name such as "auto"',
+        )
         _require(
             self.max_num_batched_tokens >= self.max_model_len,
             "max_num_batched_tokens",
             self.max_num_batched_tokens,
             f">= max_model_len ({self.max_model_len}), so any admitted prompt fits one batch",
         )
-        _require(
-            0 < self.gpu_memory_utilization <= 1,
-            "gpu_memory_utilization",
-            self.gpu_memory_utilization,
-            "in (0, 1]",
-        )
+
+    def _require_count(self, name: str, optional: bool) -> None:
+        value = getattr(self, name)
+        if optional and value is None:
+            return
+        expected = "None or an int >= 1" if optional else "an int >= 1"
+        _require(is_int(value) and value >= 1, name, value, expected)
+        object.__setattr__(self, name, int(value))  # numpy ints in, Python ints out
+
+
+ENGINE_OPTIONS = tuple(f.name for f in fields(EngineConfig))
 
 
 def engine_config_for(model_config, **options) -> EngineConfig:
     """EngineConfig with defaults that depend on the model: max_model_len at most 4096 (or the
     model's own limit), and a prefill budget that always fits one max_model_len prompt."""
-    options.setdefault("max_model_len", min(model_config.max_position_embeddings, 4096))
-    options.setdefault("max_num_batched_tokens", max(8192, options["max_model_len"]))
-    return EngineConfig(**options)
+    _reject_unknown(options)
+    limit = model_config.max_position_embeddings
+    max_model_len = options.setdefault("max_model_len", min(limit, 4096))
+    if is_int(max_model_len):  # otherwise EngineConfig names the bad value
+        options.setdefault("max_num_batched_tokens", max(8192, max_model_len))
+    config = EngineConfig(**options)
+    _require(
+        config.max_model_len <= limit,
+        "max_model_len",
+        config.max_model_len,
+        f"<= the model's max_position_embeddings ({limit})",
+    )
+    return config
+
+
+def _reject_unknown(options: dict) -> None:
+    unknown = [name for name in options if name not in ENGINE_OPTIONS]
+    if unknown:
+        name = unknown[0]
+        close = difflib.get_close_matches(name, ENGINE_OPTIONS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(
+            f"{name!r} is not an engine option{hint}; valid options: {', '.join(ENGINE_OPTIONS)}"
+        )
+
+
+def is_int(value) -> bool:
+    """An integer (numpy's too) that is not a bool: True is no count."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_real(value) -> bool:
+    """A finite int or float (numpy's too), not a bool: nan and inf pass no range check."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _require(ok: bool, name: str, value, allowed: str) -> None:

@@ -8,34 +8,65 @@ penalties and no logprobs.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
+from nanoserve.config import is_int, is_real
+
+# torch.Generator.manual_seed takes [-2**63, 2**64) and maps a negative seed s to s + 2**64, so -1
+# would silently be the stream of 2**64 - 1 (and elsewhere -1 often means "unseeded"). We accept
+# the generator's own unsigned 64-bit seeds only: [0, 2**64).
+SEED_LIMIT = 2**64
+_NUMBER_TYPES = {"temperature": float, "top_p": float, "top_k": int, "max_tokens": int, "seed": int}
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens for one request; validated on creation."""
+    """How to pick tokens for one request; every field's type and range checked on creation."""
 
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float = 1.0
     max_tokens: int = 64
     ignore_eos: bool = False
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # any iterable of ids is accepted and stored as a tuple
     seed: int | None = None
 
     def __post_init__(self):
-        _check(self.temperature >= 0, "temperature", self.temperature, ">= 0 (0 means greedy)")
-        _check(self.top_k is None or self.top_k >= 1, "top_k", self.top_k, "None or >= 1")
-        _check(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
-        _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, ">= 1")
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        t, k, p, n, seed = self.temperature, self.top_k, self.top_p, self.max_tokens, self.seed
+        _check(is_real(t) and t >= 0, "temperature", t, "a finite number >= 0 (0 means greedy)")
+        _check(k is None or (is_int(k) and k >= 1), "top_k", k, "None or an int >= 1")
+        _check(is_real(p) and 0 < p <= 1, "top_p", p, "a number in (0, 1]")
+        _check(is_int(n) and n >= 1, "max_tokens", n, "an int >= 1")
+        _check(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "a bool")
+        _check(
+            seed is None or (is_int(seed) and 0 <= seed < SEED_LIMIT),
+            "seed",
+            seed,
+            "None or an int in [0, 2**64)",
+        )
+        object.__setattr__(self, "stop_token_ids", _stop_token_ids(self.stop_token_ids))
+        for name, kind in _NUMBER_TYPES.items():
+            value = getattr(self, name)
+            if value is not None:  # numpy numbers in, Python numbers out (manual_seed needs int)
+                object.__setattr__(self, name, kind(value))
 
     @property
     def is_greedy(self) -> bool:
         """True when the next token is always the argmax."""
         return self.temperature == 0 or self.top_k == 1
+
+
+def _stop_token_ids(value) -> tuple[int, ...]:
+    """Any iterable of token ids (ints >= 0) as a tuple of Python ints; a str is no such thing."""
+    expected = "an iterable of token ids (ints >= 0)"
+    is_iterable = isinstance(value, Iterable) and not isinstance(value, (str, bytes, bytearray))
+    _check(is_iterable, "stop_token_ids", value, expected)
+    ids = tuple(value)
+    _check(all(is_int(i) and i >= 0 for i in ids), "stop_token_ids", ids, expected)
+    return tuple(int(i) for i in ids)
 
 
 def _check(ok: bool, name: str, value, allowed: str) -> None:
@@ -100,3 +131,15 @@ class Sampler:
                 uniforms[j] = torch.rand(1, generator=generators[i], device=logits.device)
         token_ids[row_index] = inverse_cdf(probs, uniforms)
         return token_ids.tolist()
+
+
+def sample_one(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float,
+    generator: torch.Generator | None,
+) -> int:
+    """One token id drawn from logits (V,) by the `Sampler` (stage 00's graded `sample`)."""
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=1)
+    return Sampler()(logits[None, :], [params], [generator])[0]
