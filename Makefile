@@ -32,6 +32,8 @@ test: $(VENV)/.dev-deps lint docs pytest notebooks
 lint: $(VENV)/.dev-deps
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports --no-cache
+	$(BIN)/python tools/import_cycles.py
 
 docs: $(VENV)/.dev-deps
 	$(BIN)/mkdocs build --strict -q -d $(VENV)/site

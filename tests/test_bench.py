@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from nanoserve.bench import add_bench_parser, checked_stages, make_workload, run_bench
+from nanoserve.bench.run import add_bench_parser, checked_stages, make_workload, run_bench
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.presets import PRESETS, init_random_weights, preset_config, random_model
 
@@ -95,7 +95,7 @@ def test_random_weights_are_small_seeded_and_leave_norms_at_one():
 
 
 def test_transformers_twin_of_a_preset_has_nanoserves_weights():
-    from nanoserve.bench_hf import hf_twin
+    from nanoserve.bench.hf import hf_twin
 
     model = random_model("tiny-llama", "cpu", torch.float64)
     twin = hf_twin("tiny-llama", model, torch.device("cpu"), torch.float64)

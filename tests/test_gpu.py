@@ -8,21 +8,11 @@ top-5. These tests carry the `gpu` marker and skip, with that reason, where no C
 import random
 
 import pytest
-import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.kernels.attention import NoCacheAttention
+from nanoserve.testing import next_token_logits
 
 pytestmark = pytest.mark.gpu
-
-
-@torch.inference_mode()
-def next_token_logits(model, token_ids: list[int]) -> torch.Tensor:
-    """Logits after token_ids, by a full recompute (stage 00's arithmetic) on model's device."""
-    device = next(model.parameters()).device
-    ids = torch.tensor(token_ids, device=device)
-    hidden = model(ids, torch.arange(len(ids), device=device), NoCacheAttention([0, len(ids)]))
-    return model.compute_logits(hidden[-1:])[0].float().cpu()
 
 
 def assert_same_up_to_top5_divergence(ref_llm, got_llm, prompt, ref_tokens, got_tokens):

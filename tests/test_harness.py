@@ -82,12 +82,12 @@ def test_every_path_the_manifest_names_for_an_implemented_stage_exists(stage):
 def test_reference_and_starter_load_the_same_names():
     ref, starter = grading.load_impl(2, "ref"), grading.load_impl(2, "starter")
     assert sorted(vars(ref)) == sorted(vars(starter)) == ["BlockAllocator", "OutOfBlocks"]
-    assert ref.BlockAllocator.__module__ == "nanoserve.cache.allocator"
+    assert ref.BlockAllocator.__module__ == "nanoserve.engine.allocator"
 
 
 def test_a_learner_file_is_loaded_by_path_relative_or_absolute(tmp_path, monkeypatch):
     mine = tmp_path / "mine.py"
-    mine.write_text("from nanoserve.cache.allocator import BlockAllocator, OutOfBlocks\n")
+    mine.write_text("from nanoserve.engine.allocator import BlockAllocator, OutOfBlocks\n")
     monkeypatch.chdir(tmp_path)
     assert grading.normalize_impl("mine.py") == str(mine.resolve())
     assert grading.load_impl(2, "mine.py").BlockAllocator(3).allocate(2) == [0, 1]

@@ -5,8 +5,8 @@ import torch
 from nanoserve.cache.attention_metadata import prepare_decode, prepare_prefill
 from nanoserve.cache.paged import gather_kv, store_kvcache
 from nanoserve.engine.block_manager import BlockManager
-from nanoserve.engine.sequence import Sequence
 from nanoserve.sampling import SamplingParams
+from nanoserve.types import Sequence
 
 A = [11, 12, 13, 14, 21, 22, 23, 24, 31, 32, 33]
 

@@ -15,7 +15,7 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.config import EngineConfig
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.scheduler import Scheduler
-from nanoserve.engine.sequence import Sequence, SequenceStatus
+from nanoserve.types import Sequence, SequenceStatus
 
 STOP = 7  # a fake "EOS": some requests finish early when this id is sampled
 

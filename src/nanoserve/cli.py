@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from nanoserve.bench import add_bench_parser
+from nanoserve.bench.run import add_bench_parser
+from nanoserve.options import add_engine_args, engine_options
 
 DEFAULT_QUESTION = "What is the capital of France? Answer in one sentence."
 
@@ -27,25 +28,6 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--seed", type=int, default=None)
     add_engine_args(parser)
-
-
-ENGINE_OPTIONS = (
-    "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_slabs", "block_size",
-    "num_kv_blocks", "kv_cache_bytes", "gpu_memory_utilization",
-)  # fmt: skip
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """EngineConfig fields as --flags; unset ones keep the engine's defaults."""
-    group = parser.add_argument_group("engine options")
-    for name in ENGINE_OPTIONS:
-        kind = float if name == "gpu_memory_utilization" else int
-        group.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
-
-
-def engine_options(args) -> dict:
-    """The engine flags the user set."""
-    return {n: getattr(args, n) for n in ENGINE_OPTIONS if getattr(args, n, None) is not None}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,7 +130,7 @@ def cmd_check(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from nanoserve.bench import run_bench
+    from nanoserve.bench.run import run_bench
 
     return run_bench(args)
 

@@ -1,8 +1,9 @@
 """Which implementation a stage's graded tests run against: the reference, the starter, or yours.
 
-Introduced in stage 00. A stage's API is the set of public names its `starter.py` defines;
-`REFERENCE_API` maps the same names to the reference objects, so any of them can stand in for the
-others. It loads implementations and nothing more: running the tests is `nanoserve.check`'s job.
+Introduced in stage 00. A stage's API is the set of public names its `starter.py` defines; the
+stage's row in `engine/compositions.py` (`learner_api`) maps the same names to the reference
+objects, so any of them can stand in for the others. It loads implementations and nothing more:
+running the tests is `nanoserve.check`'s job.
 """
 
 from __future__ import annotations
@@ -15,65 +16,15 @@ import sys
 import types
 from pathlib import Path
 
-import torch
-
+from nanoserve.engine.compositions import COMPOSITIONS
 from nanoserve.stages import STAGES, Stage, get_stage
 
 IMPL_ENV_VAR = "NANOSERVE_IMPL"  # carries --impl to subprocesses and pytest-xdist workers
 DEFAULT_IMPL = "ref"
 
-# stage number -> {API name: "module:attribute" of the reference}; imported only when asked for.
-REFERENCE_API: dict[int, dict[str, str]] = {
-    0: {
-        "rms_norm": "nanoserve.layers.norm:rms_norm",
-        "rotate_half": "nanoserve.layers.rotary:rotate_half",
-        "rope_inv_freq": "nanoserve.layers.rotary:rope_inv_freq",
-        "rope_cos_sin": "nanoserve.layers.rotary:rope_cos_sin",
-        "apply_rotary": "nanoserve.layers.rotary:apply_rotary",
-        "attend": "nanoserve.kernels.attention:attend",
-        "swiglu": "nanoserve.models.decoder:swiglu",
-        "filter_probs": "nanoserve.sampling:filter_probs",
-        "sample": "nanoserve.grading:sample_one",
-    },
-    1: {
-        "SlabManager": "nanoserve.cache.contiguous:SlabManager",
-        "store_slab": "nanoserve.cache.contiguous:store_slab",
-        "load_slab": "nanoserve.cache.contiguous:load_slab",
-    },
-    2: {
-        "OutOfBlocks": "nanoserve.cache.allocator:OutOfBlocks",
-        "BlockAllocator": "nanoserve.cache.allocator:BlockAllocator",
-    },
-    3: {
-        "BlockPosition": "nanoserve.cache.block_table:BlockPosition",
-        "BlockTable": "nanoserve.cache.block_table:BlockTable",
-    },
-    4: {
-        "BlockManager": "nanoserve.engine.block_manager:BlockManager",
-        "store_kvcache": "nanoserve.cache.paged:store_kvcache",
-        "gather_kv": "nanoserve.cache.paged:gather_kv",
-        "prepare_prefill": "nanoserve.cache.attention_metadata:prepare_prefill",
-        "prepare_decode": "nanoserve.cache.attention_metadata:prepare_decode",
-    },
-}
-
 
 class ImplementationError(ImportError):
     """An --impl value that cannot be loaded, or a module that lacks part of the stage API."""
-
-
-def sample_one(
-    logits: torch.Tensor,
-    temperature: float,
-    top_k: int | None,
-    top_p: float,
-    generator: torch.Generator | None,
-) -> int:
-    """One token id drawn from logits (V,) by the engine's own `Sampler` (stage 00's reference)."""
-    from nanoserve.sampling import Sampler, SamplingParams
-
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=1)
-    return Sampler()(logits[None, :], [params], [generator])[0]
 
 
 def repo_root() -> Path:
@@ -97,10 +48,10 @@ def stage_for_path(path: str | os.PathLike) -> Stage:
 
 def api_names(stage_number: int) -> list[str]:
     """The public names a stage's implementation must define."""
-    if stage_number not in REFERENCE_API:
+    if stage_number not in COMPOSITIONS:
         stage = get_stage(stage_number)
         raise ValueError(f"stage {stage_number} ({stage.stem}) has no graded learner API yet")
-    return list(REFERENCE_API[stage_number])
+    return list(COMPOSITIONS[stage_number].learner_api)
 
 
 def starter_names(stage_number: int) -> list[str]:
@@ -135,7 +86,7 @@ def load_impl(stage_number: int, impl: str = DEFAULT_IMPL) -> types.SimpleNamesp
     """The stage API from `ref`, `starter`, a .py path or a dotted module, as a namespace."""
     names = api_names(stage_number)
     if impl == "ref":
-        return types.SimpleNamespace(**{n: _resolve(REFERENCE_API[stage_number][n]) for n in names})
+        return types.SimpleNamespace(**COMPOSITIONS[stage_number].learner_api)
     if impl == "starter":
         module = _module_from_file(repo_root() / get_stage(stage_number).starter)
     elif is_path_like(impl):
@@ -150,11 +101,6 @@ def load_impl(stage_number: int, impl: str = DEFAULT_IMPL) -> types.SimpleNamesp
             f"name its starter defines ({', '.join(names)}). Copy {stage.starter} and fill it in."
         )
     return types.SimpleNamespace(**{n: getattr(module, n) for n in names})
-
-
-def _resolve(target: str):
-    module_name, _, attribute = target.partition(":")
-    return getattr(importlib.import_module(module_name), attribute)
 
 
 def _import_module(name: str) -> types.ModuleType:

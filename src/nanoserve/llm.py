@@ -1,7 +1,8 @@
 """`LLM`, the public entry point, shaped like vLLM's: load a model once, then generate or chat.
 
-Introduced in stage 00. It tokenizes, builds the engine of the requested stage, drives the loop
-and detokenizes; all the mechanism lives in `nanoserve.engine` and `nanoserve.cache`.
+Introduced in stage 00. It keeps the tokenizer and the engine: it tokenizes, builds the engine of
+the requested stage (whose model runner builds the model), drives the loop and detokenizes; all
+the mechanism lives in `nanoserve.engine`, `nanoserve.cache` and `nanoserve.kernels`.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ import torch
 from tqdm.auto import tqdm
 
 from nanoserve.config import engine_config_for
-from nanoserve.engine.builders import build_engine
-from nanoserve.models.loader import load_model, load_tokenizer
+from nanoserve.engine.compositions import build_engine
+from nanoserve.models.loader import load_model_config, load_tokenizer
 from nanoserve.models.registry import DEFAULT_MODEL
 from nanoserve.sampling import SamplingParams
 from nanoserve.stages import latest_stage, require_implemented
+from nanoserve.types import ModelSpec
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32,
           "bfloat16": torch.bfloat16, "float16": torch.float16}  # fmt: skip
@@ -65,16 +67,20 @@ class LLM:
         self.stage = latest_stage() if stage is None else require_implemented(stage)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.model = load_model(model, self.device, self.dtype)
+        self.model_config = load_model_config(model)
         self.tokenizer = load_tokenizer(model)
-        self.config = engine_config_for(self.model.config, **engine_options)
-        self.engine = build_engine(
-            self.stage.number, self.config, self.model, self.eos_ids(), components
-        )
+        self.config = engine_config_for(self.model_config, **engine_options)
+        spec = ModelSpec(str(model), self.dtype, self.device)
+        self.engine = build_engine(self.stage.number, self.config, spec, self.eos_ids(), components)
+
+    @property
+    def model(self):
+        """The model the engine's runner built."""
+        return self.engine.runner.model
 
     def eos_ids(self) -> set[int]:
         """Token ids that end a completion: the config's and the tokenizer's EOS."""
-        ids = set(self.model.config.eos_token_ids)
+        ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return ids

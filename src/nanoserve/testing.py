@@ -69,3 +69,18 @@ def greedy_token_ids(folder: str, stage: int, requests, **engine_options) -> lis
 
     llm = LLM(folder, stage=stage, device="cpu", dtype="float64", **engine_options)
     return [out.token_ids for out in llm.generate(*requests, use_tqdm=False)]
+
+
+@torch.inference_mode()
+def next_token_logits(model, token_ids: list[int]) -> torch.Tensor:
+    """Logits (V,) after token_ids by a full recompute (stage 00's arithmetic), float32 on CPU."""
+    from nanoserve.cache.attention_metadata import pack_step
+    from nanoserve.kernels.attention import NoCacheAttention
+    from nanoserve.sampling import SamplingParams
+    from nanoserve.types import Sequence
+
+    device = next(model.parameters()).device
+    seq = Sequence(token_ids, SamplingParams(max_tokens=1))
+    inputs = pack_step([seq], [[]], 1, device, is_prefill=True, from_start=True)
+    hidden = model(inputs.input_ids, inputs.positions, NoCacheAttention(), inputs.metadata)
+    return model.compute_logits(hidden[-1:])[0].float().cpu()

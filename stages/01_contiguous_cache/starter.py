@@ -17,7 +17,7 @@ import torch
 class SlabManager:
     """Hands out whole slabs, ids 0 .. num_slabs-1: one per running sequence, for its whole life.
 
-    The scheduler calls it like this (a `seq` is `nanoserve.engine.sequence.Sequence`; you only
+    The scheduler calls it like this (a `seq` is `nanoserve.types.Sequence`; you only
     touch its `slab_id` and `num_cached_tokens` attributes):
 
         check_fits(num_prompt_tokens, max_num_tokens)  once per request, before it is queued

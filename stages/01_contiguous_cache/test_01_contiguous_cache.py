@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.engine.sequence import Sequence
+from nanoserve.types import Sequence
 
 
 def new_seq(num_tokens: int = 3) -> Sequence:

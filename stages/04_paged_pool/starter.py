@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.cache.allocator import BlockAllocator  # noqa: F401  (stage 02; use it in task 1)
-from nanoserve.cache.attention_metadata import AttentionMetadata, StepInputs
-from nanoserve.cache.block_table import BlockTable  # noqa: F401  (stage 03; use it in task 1)
-from nanoserve.engine.sequence import Sequence
+from nanoserve.cache.attention_metadata import step_inputs_from_lists  # noqa: F401  (tasks 4, 5)
+from nanoserve.engine.allocator import BlockAllocator  # noqa: F401  (stage 02; use it in task 1)
+from nanoserve.engine.block_table import BlockTable  # noqa: F401  (stage 03; use it in task 1)
+from nanoserve.types import Sequence, StepInputs
 
-# StepInputs and AttentionMetadata are the types the engine reads: they are given, and your
-# prepare_* functions fill in the values (`_step_inputs`, at the bottom, does the packing).
+# StepInputs (with its AttentionMetadata, in nanoserve/types.py) is what the engine reads: the
+# types are given, and your prepare_* functions compute the values as plain lists;
+# `step_inputs_from_lists` (given) turns them into tensors of the right dtypes, pads the block
+# tables with -1 and fills in max_seqlen_q/k and the host copies.
 #
 # BlockAllocator and BlockTable above are the references of stages 02 and 03. To build your block
 # manager on your own files instead, load them by path (relative to where you run pytest) or by
@@ -186,8 +188,9 @@ def prepare_prefill(seqs: list[Sequence], block_size: int, device) -> StepInputs
     Seed trace, block_size 4: prompt A of 11 tokens with block_table [0, 1, 2] gives
     slot_mapping 0..10 and cu_seqlens_q = cu_seqlens_k = [0, 11].
 
-    Read seq.block_table; change nothing. `_step_inputs` below turns your lists into the
-    StepInputs the engine expects, tensors and dtypes included.
+    Read seq.block_table; change nothing. Return `step_inputs_from_lists(True, input_ids,
+    positions, slot_mapping, cu_seqlens_q, cu_seqlens_k, context_lens, block_tables, device)`
+    with block_tables the list of each seq.block_table (it pads them with -1).
     """
     raise NotImplementedError("task 4: prepare_prefill")
 
@@ -207,36 +210,3 @@ def prepare_decode(seqs: list[Sequence], block_size: int, device) -> StepInputs:
     tokens on [0, 1, 2, 6] it writes slot 6 * 4 + 0 = 24.
     """
     raise NotImplementedError("task 5: prepare_decode")
-
-
-# ---- given whole: lists in, the engine's tensors out ----
-
-
-def _step_inputs(
-    is_prefill: bool,
-    input_ids: list[int],
-    positions: list[int],
-    slot_mapping: list[int],
-    cu_seqlens_q: list[int],
-    cu_seqlens_k: list[int],
-    context_lens: list[int],
-    block_tables: list[list[int]],
-    device,
-) -> StepInputs:
-    """Build StepInputs from plain lists; block_tables must already be padded to one width."""
-
-    def as_tensor(values, dtype):
-        return torch.tensor(values, dtype=dtype, device=device)
-
-    metadata = AttentionMetadata(
-        is_prefill=is_prefill,
-        cu_seqlens_q=as_tensor(cu_seqlens_q, torch.int32),
-        cu_seqlens_k=as_tensor(cu_seqlens_k, torch.int32),
-        slot_mapping=as_tensor(slot_mapping, torch.int64),
-        context_lens=as_tensor(context_lens, torch.int32),
-        block_tables=as_tensor(block_tables, torch.int32),  # -1 pads short rows
-        cu_seqlens_q_list=list(cu_seqlens_q),
-        context_lens_list=list(context_lens),
-    )
-    input_ids_t, positions_t = as_tensor(input_ids, torch.int64), as_tensor(positions, torch.int64)
-    return StepInputs(input_ids_t, positions_t, metadata)

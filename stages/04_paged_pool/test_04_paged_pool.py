@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.engine.sequence import Sequence
+from nanoserve.types import Sequence
 
 API = ("BlockManager", "store_kvcache", "gather_kv", "prepare_prefill", "prepare_decode")
 
@@ -83,8 +83,10 @@ def values(step) -> dict:
         "cu_seqlens_k": md.cu_seqlens_k.tolist(),
         "context_lens": md.context_lens.tolist(),
         "block_tables": md.block_tables.tolist(),
-        "cu_seqlens_q_list": list(md.cu_seqlens_q_list),
-        "context_lens_list": list(md.context_lens_list),
+        "max_seqlen_q": md.max_seqlen_q,
+        "max_seqlen_k": md.max_seqlen_k,
+        "host.cu_seqlens_q": list(md.host.cu_seqlens_q),
+        "host.context_lens": list(md.host.context_lens),
     }
 
 
@@ -300,8 +302,10 @@ def test_task_4_prefill_of_prompt_a_writes_slots_0_to_10(impl):
         "cu_seqlens_k": [0, 11],
         "context_lens": [11],
         "block_tables": [[0, 1, 2]],
-        "cu_seqlens_q_list": [0, 11],
-        "context_lens_list": [11],
+        "max_seqlen_q": 11,
+        "max_seqlen_k": 11,
+        "host.cu_seqlens_q": [0, 11],
+        "host.context_lens": [11],
     }
 
 
@@ -329,10 +333,10 @@ def test_task_4_a_packed_batch_keeps_two_cumulative_length_arrays(impl):
     assert got["input_ids"] == [44, 45, 46, 50, 51]
     assert got["positions"] == [4, 5, 6, 0, 1]
     assert (got["cu_seqlens_q"], got["cu_seqlens_k"]) == ([0, 3, 5], [0, 7, 9])
-    assert got["cu_seqlens_q_list"] == [0, 3, 5]
+    assert got["host.cu_seqlens_q"] == [0, 3, 5]
     assert got["slot_mapping"] == [36, 37, 38, 40, 41]
     assert got["block_tables"] == [[8, 9], [10, -1]]  # padded with -1
-    assert got["context_lens"] == got["context_lens_list"] == [7, 2]
+    assert got["context_lens"] == got["host.context_lens"] == [7, 2]
 
 
 def test_task_4_b_sharing_nothing_packs_after_a_with_its_own_blocks(impl):
@@ -366,8 +370,10 @@ def test_task_5_decode_at_length_12_writes_slot_11_and_reads_three_blocks(impl):
         "cu_seqlens_k": [0, 12],
         "context_lens": [12],
         "block_tables": [[0, 1, 2]],
-        "cu_seqlens_q_list": [0, 1],
-        "context_lens_list": [12],
+        "max_seqlen_q": 1,
+        "max_seqlen_k": 12,
+        "host.cu_seqlens_q": [0, 1],
+        "host.context_lens": [12],
     }
 
 
@@ -388,8 +394,8 @@ def test_task_5_a_decode_batch_pads_short_block_tables_with_minus_one(impl):
     assert got["positions"] == [12, 13, 1]
     assert got["slot_mapping"] == [6 * 4 + 0, 5 * 4 + 1, 7 * 4 + 1]
     assert got["block_tables"] == [[0, 1, 2, 6], [0, 3, 4, 5], [7, -1, -1, -1]]
-    assert got["context_lens"] == got["context_lens_list"] == [13, 14, 2]
-    assert got["cu_seqlens_q"] == got["cu_seqlens_q_list"] == [0, 1, 2, 3]
+    assert got["context_lens"] == got["host.context_lens"] == [13, 14, 2]
+    assert got["cu_seqlens_q"] == got["host.cu_seqlens_q"] == [0, 1, 2, 3]
     assert got["cu_seqlens_k"] == [0, 13, 27, 29]
 
 

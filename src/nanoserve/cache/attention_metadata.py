@@ -1,97 +1,118 @@
-"""prepare_prefill / prepare_decode: a batch of sequences in, packed tensors for one step out.
+"""prepare_prefill / prepare_decode: a batch of sequences in, one step's `StepInputs` out.
 
-Introduced in stage 04. Reads each sequence's `block_table` (decided earlier by the block
-manager) and serializes it; decides nothing. The result is passed explicitly to the model's
-attention, never through a module global. Seed trace, block_size 4, prompt A of 11 tokens with
-table [0, 1, 2]: prefill slot_mapping = 0..10; decode at length 12 writes slot 2 * 4 + 3 = 11.
+Introduced in stage 04; since the seams were drawn every stage's cache builds its inputs here (one
+packing helper). Reads each sequence's block table (decided earlier by a cache manager) and
+serializes it; decides nothing. Seed trace, block_size 4, prompt A of 11 tokens with table
+[0, 1, 2]: prefill slot_mapping = 0..10; decode at length 12 writes slot 2 * 4 + 3 = 11.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import itertools
 
 import torch
 
-from nanoserve.engine.sequence import Sequence
+from nanoserve.types import AttentionMetadata, HostMetadata, Sequence, StepInputs
 
 
-class AttentionMetadata(NamedTuple):
-    """Where this step's K/V goes and what each sequence reads."""
-
-    is_prefill: bool
-    cu_seqlens_q: torch.Tensor  # (B + 1,) packed query rows of each sequence
-    cu_seqlens_k: torch.Tensor  # (B + 1,) logical context of each sequence (cached + new)
-    slot_mapping: torch.Tensor  # (T,) flat pool slot each new token's K/V is written to
-    context_lens: torch.Tensor  # (B,) tokens each sequence attends over
-    block_tables: torch.Tensor  # (B, max_blocks) int32 block ids, padded with -1
-    cu_seqlens_q_list: list[int]  # the same numbers on the host, for per-sequence loops
-    context_lens_list: list[int]
-
-
-class StepInputs(NamedTuple):
-    """Packed token ids and positions plus their metadata."""
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    metadata: AttentionMetadata
-
-
-def slots_for(seq: Sequence, start: int, end: int, block_size: int) -> list[int]:
-    """Flat slots of positions start .. end-1: block_table[p // bs] * bs + p % bs."""
-    table = seq.block_table
+def slots_for(table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Flat slots of positions start .. end-1: table[p // bs] * bs + p % bs; -1 with no table."""
+    if not table:  # nothing is stored (stage 00): every row is padding as far as writes go
+        return [-1] * (end - start)
     return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
-def prepare_block_tables(seqs: list[Sequence], device) -> torch.Tensor:
-    """(B, max_blocks) int32, each row a sequence's block table padded with -1."""
-    width = max(len(seq.block_table) for seq in seqs)
-    rows = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs]
-    return torch.tensor(rows, dtype=torch.int32, device=device)
+def pack_step(seqs: list[Sequence], tables: list[list[int]], block_size: int, device, *,
+              is_prefill: bool, from_start: bool = False) -> StepInputs:  # fmt: skip
+    """Each sequence's uncached tokens (all of them when from_start) on one axis, no padding.
+
+    Prefill packs the whole uncached prompt, decode the one newest token: both are
+    `token_ids[num_cached_tokens:]`. tables[i] is where sequence i's K/V lives, in blocks of
+    block_size tokens (a stage-01 slab is one block of max_model_len tokens).
+    """
+    input_ids, positions, slot_mapping = [], [], []
+    cu_seqlens_q, cu_seqlens_k = [0], [0]
+    for seq, table in zip(seqs, tables):
+        start, end = (0 if from_start else seq.num_cached_tokens), len(seq)
+        input_ids.extend(seq.token_ids[start:end])
+        positions.extend(range(start, end))
+        slot_mapping.extend(slots_for(table, start, end, block_size))
+        cu_seqlens_q.append(cu_seqlens_q[-1] + end - start)
+        cu_seqlens_k.append(cu_seqlens_k[-1] + end)
+    return step_inputs_from_lists(is_prefill, input_ids, positions, slot_mapping, cu_seqlens_q,
+                                  cu_seqlens_k, [len(s) for s in seqs], tables, device)  # fmt: skip
 
 
 def prepare_prefill(seqs: list[Sequence], block_size: int, device) -> StepInputs:
     """Every uncached token of each sequence; cu_seqlens_k also counts the cached prefix."""
-    input_ids, positions, slot_mapping = [], [], []
-    cu_seqlens_q, cu_seqlens_k = [0], [0]
-    for seq in seqs:
-        start, end = seq.num_cached_tokens, len(seq)
-        input_ids.extend(seq.token_ids[start:end])
-        positions.extend(range(start, end))
-        slot_mapping.extend(slots_for(seq, start, end, block_size))
-        cu_seqlens_q.append(cu_seqlens_q[-1] + end - start)
-        cu_seqlens_k.append(cu_seqlens_k[-1] + end)
-    context_lens = [len(seq) for seq in seqs]
-    return _step_inputs(True, input_ids, positions, slot_mapping, cu_seqlens_q, cu_seqlens_k,
-                        context_lens, seqs, device)  # fmt: skip
+    return pack_step(seqs, [s.block_table for s in seqs], block_size, device, is_prefill=True)
 
 
-def prepare_decode(seqs: list[Sequence], block_size: int, device) -> StepInputs:
-    """One token per sequence, its last; it attends over its whole history."""
-    input_ids = [seq.last_token_id for seq in seqs]
-    positions = [len(seq) - 1 for seq in seqs]
-    slot_mapping = [slots_for(seq, len(seq) - 1, len(seq), block_size)[0] for seq in seqs]
-    context_lens = [len(seq) for seq in seqs]
-    cu_seqlens_q = list(range(len(seqs) + 1))
-    cu_seqlens_k = [0]
-    for n in context_lens:
-        cu_seqlens_k.append(cu_seqlens_k[-1] + n)
-    return _step_inputs(False, input_ids, positions, slot_mapping, cu_seqlens_q, cu_seqlens_k,
-                        context_lens, seqs, device)  # fmt: skip
+def prepare_decode(seqs: list[Sequence], block_size: int, device, *, batch_size: int | None = None,
+                   table_width: int | None = None) -> StepInputs:  # fmt: skip
+    """One token per sequence, its last; it attends over its whole history.
+
+    batch_size and table_width pad the step to fixed shapes (stage 08's CUDA graphs replay on
+    static buffers): extra rows get token 0 at position 0, slot -1 (nothing written) and
+    context length 0 (nothing read), and every block table is padded with -1 to table_width.
+    """
+    step = pack_step(seqs, [s.block_table for s in seqs], block_size, device, is_prefill=False)
+    if batch_size is None and table_width is None:
+        return step
+    return pad_decode(step, batch_size or len(seqs), table_width or step_width(step))
 
 
-def _step_inputs(is_prefill, input_ids, positions, slot_mapping, cu_seqlens_q, cu_seqlens_k,
-                 context_lens, seqs, device) -> StepInputs:  # fmt: skip
-    def as_tensor(values, dtype=torch.int64):
+def step_width(step: StepInputs) -> int:
+    """How many block ids each row of the step's block_tables holds."""
+    return step.metadata.block_tables.shape[1]
+
+
+def pad_decode(step: StepInputs, batch_size: int, table_width: int) -> StepInputs:
+    """The decode step grown to batch_size rows and table_width table columns (see above)."""
+    md, num_seqs = step.metadata, step.metadata.num_seqs
+    if batch_size < num_seqs or table_width < step_width(step):
+        raise ValueError(
+            f"cannot pad a decode step of {num_seqs} sequences and {step_width(step)} table "
+            f"columns to batch_size {batch_size} and table_width {table_width}"
+        )
+
+    def grow(x: torch.Tensor, fill: int, *shape: int) -> torch.Tensor:
+        out = torch.full(shape, fill, dtype=x.dtype, device=x.device)
+        out[tuple(slice(0, n) for n in x.shape)] = x  # real rows first, padding after
+        return out
+
+    metadata = md._replace(
+        cu_seqlens_q=torch.arange(batch_size + 1, dtype=torch.int32, device=md.cu_seqlens_q.device),
+        cu_seqlens_k=grow(md.cu_seqlens_k, sum(md.host.context_lens), batch_size + 1),
+        slot_mapping=grow(md.slot_mapping, -1, batch_size),
+        context_lens=grow(md.context_lens, 0, batch_size),
+        block_tables=grow(md.block_tables, -1, batch_size, table_width),
+    )
+    return StepInputs(grow(step.input_ids, 0, batch_size), grow(step.positions, 0, batch_size),
+                      metadata)  # fmt: skip
+
+
+def step_inputs_from_lists(is_prefill: bool, input_ids: list[int], positions: list[int],
+                           slot_mapping: list[int], cu_seqlens_q: list[int],
+                           cu_seqlens_k: list[int], context_lens: list[int],
+                           block_tables: list[list[int]], device) -> StepInputs:  # fmt: skip
+    """StepInputs from plain lists: tensors in the engine's dtypes, tables padded with -1."""
+
+    def as_tensor(values, dtype=torch.int64) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=device)
 
+    width = max((len(t) for t in block_tables), default=0)
+    padded = [list(t) + [-1] * (width - len(t)) for t in block_tables]
+    lens_q = [e - s for s, e in itertools.pairwise(cu_seqlens_q)]
     metadata = AttentionMetadata(
         is_prefill=is_prefill,
         cu_seqlens_q=as_tensor(cu_seqlens_q, torch.int32),
         cu_seqlens_k=as_tensor(cu_seqlens_k, torch.int32),
+        max_seqlen_q=max(lens_q, default=0),
+        max_seqlen_k=max(context_lens, default=0),
         slot_mapping=as_tensor(slot_mapping),
         context_lens=as_tensor(context_lens, torch.int32),
-        block_tables=prepare_block_tables(seqs, device),
-        cu_seqlens_q_list=cu_seqlens_q,
-        context_lens_list=context_lens,
+        block_tables=as_tensor(padded, torch.int32).view(len(padded), width),
+        host=HostMetadata(list(cu_seqlens_q), list(context_lens), [list(t) for t in block_tables]),
     )
     return StepInputs(as_tensor(input_ids), as_tensor(positions), metadata)

@@ -18,46 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.engine.forward_inputs import ForwardInputs, pack_tokens, to_forward_inputs
-from nanoserve.engine.scheduler import ScheduledBatch
-from nanoserve.engine.sequence import Sequence
+from nanoserve.cache.attention_metadata import pack_step
 from nanoserve.kernels.attention import attend
-
-
-class SlabManager:
-    """Hands out whole slabs: admission needs one free slab, growth never needs more."""
-
-    def __init__(self, num_slabs: int):
-        self.num_slabs = num_slabs
-        self.free_slab_ids = list(range(num_slabs - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
-
-    @property
-    def num_free_slabs(self) -> int:
-        """Slabs no sequence owns."""
-        return len(self.free_slab_ids)
-
-    def check_fits(self, num_prompt_tokens: int, max_num_tokens: int) -> None:
-        """Every request fits: a slab holds max_model_len tokens, the engine's own limit."""
-
-    def can_allocate(self, seq: Sequence) -> bool:
-        """True when a slab is free."""
-        return self.num_free_slabs > 0
-
-    def allocate(self, seq: Sequence) -> None:
-        """Give seq a slab; it keeps it until it finishes."""
-        seq.slab_id = self.free_slab_ids.pop()
-
-    def can_append(self, seq: Sequence) -> bool:
-        """Always: the slab already has room for max_model_len tokens."""
-        return True
-
-    def may_append(self, seq: Sequence) -> None:
-        """Nothing to do: growth stays inside the slab."""
-
-    def deallocate(self, seq: Sequence) -> None:
-        """Return seq's slab; its K/V bytes stay but nobody reads them."""
-        self.free_slab_ids.append(seq.slab_id)
-        seq.slab_id, seq.num_cached_tokens = None, 0
+from nanoserve.types import AttentionMetadata, ScheduledBatch, StepInputs
 
 
 def store_slab(cache: torch.Tensor, slab_id: int, start: int, values: torch.Tensor) -> None:
@@ -71,40 +34,45 @@ def load_slab(cache: torch.Tensor, slab_id: int, end: int) -> torch.Tensor:
 
 
 class ContiguousKVCache:
-    """The slab tensor, and the inputs that feed only each sequence's new tokens."""
+    """The slab tensor, and the inputs that feed only each sequence's new tokens.
+
+    In the metadata a slab is one block of max_model_len tokens: sequence i's block table is
+    [slab_id], so slot_mapping reads slab_id * max_model_len + position.
+    """
 
     def __init__(self, num_slabs, num_layers, max_model_len, num_kv_heads, head_dim, dtype,
-                 device, store=store_slab, load=load_slab):  # fmt: skip
+                 device):  # fmt: skip
         shape = (2, num_layers, num_slabs, max_model_len, num_kv_heads, head_dim)
         self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_model_len = max_model_len
         self.device = device
-        self.store, self.load = store, load
 
-    def prepare(self, batch: ScheduledBatch) -> ForwardInputs:
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
         """New tokens only: the whole uncached prompt at prefill, the last token at decode."""
-        packed = pack_tokens(batch.seqs)
-        spans = [(seq.slab_id, seq.num_cached_tokens, len(seq)) for seq in batch.seqs]
-        attn = ContiguousAttention(self, spans, packed.cu_seqlens_q)
-        return to_forward_inputs(packed, attn, self.device)
+        tables = [[seq.slab_id] for seq in batch.seqs]
+        return pack_step(batch.seqs, tables, self.max_model_len, self.device,
+                         is_prefill=batch.is_prefill)  # fmt: skip
 
 
-class ContiguousAttention:
+class SlabAttention:
     """Per sequence: store the new K/V in its slab, then attend over the slab's prefix."""
 
-    def __init__(self, cache: ContiguousKVCache, spans, cu_seqlens_q: list[int]):
-        self.cache = cache
-        self.spans = spans  # (slab_id, start, end) per sequence: new tokens are start .. end-1
-        self.cu_seqlens_q = cu_seqlens_q
+    name = "torch"
 
-    def forward(self, layer_id: int, q, k, v, scale: float) -> torch.Tensor:
+    def __init__(self, cache: ContiguousKVCache, store=store_slab, load=load_slab):
+        self.cache = cache
+        self.store, self.load = store, load
+
+    def forward(self, layer_id: int, q, k, v, scale: float, metadata: AttentionMetadata):
         """(T, H, D) outputs for the packed new tokens of every sequence."""
         k_cache, v_cache = self.cache.kv[0, layer_id], self.cache.kv[1, layer_id]
-        outputs = []
-        for i, (slab_id, start, end) in enumerate(self.spans):
-            s, e = self.cu_seqlens_q[i], self.cu_seqlens_q[i + 1]
-            self.cache.store(k_cache, slab_id, start, k[s:e])
-            self.cache.store(v_cache, slab_id, start, v[s:e])
-            keys = self.cache.load(k_cache, slab_id, end)
-            values = self.cache.load(v_cache, slab_id, end)
+        host, outputs = metadata.host, []
+        for i, ((slab_id,), end) in enumerate(zip(host.block_tables, host.context_lens)):
+            s, e = host.cu_seqlens_q[i], host.cu_seqlens_q[i + 1]
+            start = end - (e - s)  # the new tokens are the last e - s of the context
+            self.store(k_cache, slab_id, start, k[s:e])
+            self.store(v_cache, slab_id, start, v[s:e])
+            keys = self.load(k_cache, slab_id, end)
+            values = self.load(v_cache, slab_id, end)
             outputs.append(attend(q[s:e], keys, values, scale))
         return torch.cat(outputs)

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.cache.attention_metadata import AttentionMetadata, prepare_decode, prepare_prefill
-from nanoserve.engine.forward_inputs import ForwardInputs
-from nanoserve.engine.scheduler import ScheduledBatch
+from nanoserve.cache.attention_metadata import prepare_decode, prepare_prefill
 from nanoserve.kernels.attention import attend, attend_decode_padded
+from nanoserve.types import AttentionMetadata, ScheduledBatch, StepInputs
 
 
 def store_kvcache(k, v, k_cache, v_cache, slot_mapping: torch.Tensor) -> None:
@@ -43,56 +42,55 @@ class PagedKVPool:
     """The pool tensor and the per-step inputs built from the block manager's tables."""
 
     def __init__(self, num_blocks, block_size, num_layers, num_kv_heads, head_dim, dtype, device,
-                 store=store_kvcache, gather=gather_kv, prepare_prefill=prepare_prefill,
-                 prepare_decode=prepare_decode):  # fmt: skip
+                 prepare_prefill=prepare_prefill, prepare_decode=prepare_decode):  # fmt: skip
         shape = (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         self.kv = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
         self.device = device
-        self.store, self.gather = store, gather
         self.prepare_prefill, self.prepare_decode = prepare_prefill, prepare_decode
 
     def layer_caches(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's K and V views, each (num_blocks, block_size, H_kv, D)."""
         return self.kv[0, layer_id], self.kv[1, layer_id]
 
-    def prepare(self, batch: ScheduledBatch) -> ForwardInputs:
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
         """Packed inputs plus the attention metadata for a prefill or a decode step."""
         prepare = self.prepare_prefill if batch.is_prefill else self.prepare_decode
-        step = prepare(batch.seqs, self.block_size, self.device)
-        return ForwardInputs(
-            input_ids=step.input_ids,
-            positions=step.positions,
-            attn=PagedAttention(self, step.metadata),
-            logits_indices=step.metadata.cu_seqlens_q[1:].long() - 1,
-        )
+        return prepare(batch.seqs, self.block_size, self.device)
 
 
-class PagedAttention:
-    """Store this step's K/V by slot, then attend over each sequence's pages."""
+class TorchPagedAttention:
+    """The torch backend of the pool: store this step's K/V by slot, attend over gathered pages.
 
-    def __init__(self, pool: PagedKVPool, metadata: AttentionMetadata):
+    Prefill gathers each sequence's pages one sequence at a time; decode gathers every block of
+    every table at once and masks past each context length. Stage 06's kernels read the pages in
+    place instead of gathering a copy.
+    """
+
+    name = "torch"
+
+    def __init__(self, pool: PagedKVPool, store=store_kvcache, gather=gather_kv):
         self.pool = pool
-        self.metadata = metadata
+        self.store, self.gather = store, gather
 
-    def forward(self, layer_id: int, q, k, v, scale: float) -> torch.Tensor:
+    def forward(self, layer_id: int, q, k, v, scale: float, metadata: AttentionMetadata):
         """(T, H, D) outputs for the packed new tokens."""
         k_cache, v_cache = self.pool.layer_caches(layer_id)
-        md = self.metadata
-        self.pool.store(k, v, k_cache, v_cache, md.slot_mapping)
+        md = metadata
+        self.store(k, v, k_cache, v_cache, md.slot_mapping)
         if not md.is_prefill:
-            return self._decode(q, k_cache, v_cache, scale)
+            return self._decode(q, k_cache, v_cache, scale, md)
         outputs = []
-        for i, (context_len, table) in enumerate(zip(md.context_lens_list, md.block_tables)):
-            s, e = md.cu_seqlens_q_list[i], md.cu_seqlens_q_list[i + 1]
-            keys = self.pool.gather(k_cache, table, context_len)
-            values = self.pool.gather(v_cache, table, context_len)
+        for i, context_len in enumerate(md.host.context_lens):
+            s, e = md.host.cu_seqlens_q[i], md.host.cu_seqlens_q[i + 1]
+            keys = self.gather(k_cache, md.block_tables[i], context_len)
+            values = self.gather(v_cache, md.block_tables[i], context_len)
             outputs.append(attend(q[s:e], keys, values, scale))
         return torch.cat(outputs)
 
-    def _decode(self, q, k_cache, v_cache, scale: float) -> torch.Tensor:
+    @staticmethod
+    def _decode(q, k_cache, v_cache, scale: float, md: AttentionMetadata) -> torch.Tensor:
         """All sequences at once: gather every block of every table, mask past context_len."""
-        md = self.metadata
         tables = md.block_tables.clamp(min=0)  # -1 padding reads block 0, then is masked
         keys = k_cache[tables].flatten(1, 2)  # (B, max_blocks * block_size, H_kv, D)
         values = v_cache[tables].flatten(1, 2)

@@ -3,16 +3,16 @@
 Introduced in stage 04, built on stage 02's `BlockAllocator` and stage 03's `BlockTable`. It is
 pure bookkeeping (no tensors): `seq.block_table` is the list `prepare_prefill` /
 `prepare_decode` turn into the `block_tables` tensor. Blocks grow lazily, one decode token at a
-time; ref counts are kept now (always 1 per holder) so stage 07's sharing has something to count.
+time. Ref counts live here (always 1 per holder until stage 07 shares blocks), and a block goes
+back to the allocator only when its count reaches 0 (docs/architecture.md, "Block ownership").
 """
 
 from __future__ import annotations
 
-import math
-
-from nanoserve.cache.allocator import BlockAllocator
-from nanoserve.cache.block_table import BlockTable
-from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.allocator import BlockAllocator
+from nanoserve.engine.block_table import BlockTable
+from nanoserve.engine.kv_manager import blocks_for, check_blocks_fit, grow_table
+from nanoserve.types import Sequence
 
 
 class BlockManager:
@@ -38,28 +38,20 @@ class BlockManager:
         max_num_tokens is the longest the sequence can get (prompt + max_tokens, capped at
         max_model_len). Without this check such a request would preempt itself forever.
         """
-        for what, num_tokens in (("prompt", num_prompt_tokens),
-                                 ("prompt + max_tokens", max_num_tokens)):  # fmt: skip
-            need = math.ceil(num_tokens / self.block_size)
-            if need > self.num_blocks:
-                raise ValueError(
-                    f"{what} ({num_tokens} tokens) needs {need} blocks of {self.block_size} but "
-                    f"the pool has only {self.num_blocks}; it could never finish. Lower "
-                    "max_tokens or grow the pool (num_kv_blocks, kv_cache_bytes)"
-                )
+        check_blocks_fit(num_prompt_tokens, "prompt", self.block_size, self.num_blocks)
+        check_blocks_fit(max_num_tokens, "prompt + max_tokens", self.block_size, self.num_blocks)
 
     def can_allocate(self, seq: Sequence) -> bool:
         """True when the free blocks cover every token seq has now (prompt, or more after
         preemption)."""
-        return self.num_free_blocks >= math.ceil(len(seq) / self.block_size)
+        return self.num_free_blocks >= blocks_for(len(seq), self.block_size)
 
     def allocate(self, seq: Sequence) -> None:
         """Give seq blocks for all its current tokens (all-or-nothing)."""
         table = self.table_cls(self.allocator, self.block_size)
-        table.append(len(seq))
-        self._hold(table.block_ids)
+        self._hold(grow_table(table, len(seq)))
         self.tables[seq.seq_id] = table
-        seq.block_table = table.block_ids  # the same list: the runner reads it each step
+        seq.block_table = table.block_ids  # the runner reads it each step
 
     def can_append(self, seq: Sequence) -> bool:
         """True when seq's next decode token fits: in its last block, or in one free block."""
@@ -70,16 +62,18 @@ class BlockManager:
     def may_append(self, seq: Sequence) -> None:
         """Make room for the token this decode step writes (a new block only at a boundary)."""
         table = self.tables[seq.seq_id]
-        num_blocks_before = len(table.block_ids)
-        table.append(len(seq) - table.num_tokens)
-        self._hold(table.block_ids[num_blocks_before:])
+        self._hold(grow_table(table, len(seq)))
+        seq.block_table = table.block_ids  # a table may replace its list when it grows
 
     def deallocate(self, seq: Sequence) -> None:
-        """Release seq's blocks (finish or preemption); forget its cached tokens."""
-        table = self.tables.pop(seq.seq_id)
-        for block_id in table.block_ids:
+        """Drop seq's hold on its blocks (finish or preemption); free those nobody else holds.
+
+        Blocks go back in table order, so the last one freed is the first handed out again.
+        """
+        block_ids = self.tables.pop(seq.seq_id).release()
+        for block_id in block_ids:
             self.ref_counts[block_id] -= 1
-        table.free()  # every holder count above just reached 0: no sharing before stage 07
+        self.allocator.free([b for b in block_ids if self.ref_counts[b] == 0])
         seq.block_table = []
         seq.num_cached_tokens = 0
 

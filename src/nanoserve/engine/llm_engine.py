@@ -1,7 +1,8 @@
 """The engine loop: validate and queue requests, then step = schedule, run, postprocess.
 
 Introduced in stage 00; every stage reuses it and only swaps the cache manager (memory
-bookkeeping) and the cache (tensor layout). It does no tokenization: requests arrive as ids.
+bookkeeping), the cache (tensor layout) and the attention backend (engine/compositions.py). It
+does no tokenization: requests arrive as ids.
 """
 
 from __future__ import annotations
@@ -9,20 +10,24 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from nanoserve.config import EngineConfig
+from nanoserve.engine.kv_manager import KVCacheManager
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.scheduler import Scheduler
-from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.trace import StepRecord
+from nanoserve.kernels.backend import BackendChoice
 from nanoserve.sampling import SamplingParams
+from nanoserve.types import Sequence
 
 
 class LLMEngine:
     """One scheduler, one model runner, and the request checks in front of them."""
 
-    def __init__(self, config: EngineConfig, runner: ModelRunner, manager, eos_ids: Iterable[int]):
+    def __init__(self, config: EngineConfig, runner: ModelRunner, manager: KVCacheManager,
+                 eos_ids: Iterable[int], attention: BackendChoice):  # fmt: skip
         self.config = config
         self.runner = runner
         self.manager = manager
+        self.attention = attention  # which backend runs, and why (shown by --trace and bench)
         self.scheduler = Scheduler(config, manager)
         self.eos_ids = frozenset(eos_ids)
         self.vocab_size = runner.model.config.vocab_size

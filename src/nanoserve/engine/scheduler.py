@@ -8,25 +8,19 @@ A step is all-prefill or all-decode (no chunked prefill, no mixing), as in nano-
 from __future__ import annotations
 
 from collections import deque
-from typing import NamedTuple
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.sequence import Sequence, SequenceStatus
-
-
-class ScheduledBatch(NamedTuple):
-    """The sequences of one step and the kind of step."""
-
-    seqs: list[Sequence]
-    is_prefill: bool
+from nanoserve.engine.kv_manager import KVCacheManager, PrefixCachingManager
+from nanoserve.types import ScheduledBatch, Sequence, SequenceStatus
 
 
 class Scheduler:
     """Waiting and running queues; admits by the manager's memory, preempts the newest."""
 
-    def __init__(self, config: EngineConfig, manager):
+    def __init__(self, config: EngineConfig, manager: KVCacheManager):
         self.config = config
         self.manager = manager
+        self.caches_prefixes = isinstance(manager, PrefixCachingManager)  # stage 07
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
@@ -93,6 +87,8 @@ class Scheduler:
         finished = []
         for seq, token_id in zip(batch.seqs, token_ids):
             seq.num_cached_tokens = len(seq)  # this step stored K/V for every token so far
+            if self.caches_prefixes:  # blocks that just filled become shareable
+                self.manager.hash_blocks(seq)
             seq.append_token(token_id)
             reason = finish_reason(seq, token_id, eos_ids, self.config.max_model_len)
             if reason is not None:

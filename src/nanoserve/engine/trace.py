@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from nanoserve.engine.forward_inputs import ForwardInputs
-from nanoserve.engine.scheduler import ScheduledBatch
+from nanoserve.engine.kv_manager import CountsBlocks, CountsSlabs
+from nanoserve.types import ScheduledBatch, StepInputs
 
 
 class StepRecord(NamedTuple):
@@ -22,27 +22,24 @@ class StepRecord(NamedTuple):
 
     step: int
     batch: ScheduledBatch
-    inputs: ForwardInputs
+    inputs: StepInputs
     num_preempted: int  # sequences preempted while scheduling this step
 
 
 def free_memory(manager) -> str:
     """Free blocks or slabs out of the total, in the manager's own unit."""
-    if hasattr(manager, "num_free_blocks"):
+    if isinstance(manager, CountsBlocks):
         return f"free blocks {manager.num_free_blocks}/{manager.num_blocks}"
-    if hasattr(manager, "num_free_slabs"):
+    if isinstance(manager, CountsSlabs):
         return f"free slabs {manager.num_free_slabs}/{manager.num_slabs}"
     return "no KV cache"
 
 
-def slots_per_seq(record: StepRecord) -> list[list[int] | None]:
-    """The slots each sequence's new tokens were written to, when the step has a slot_mapping."""
-    attn = record.inputs.attn  # stage 04 keeps these in .metadata, stage 03 on the backend
-    metadata = getattr(attn, "metadata", attn)
-    if not hasattr(metadata, "slot_mapping"):  # stages 00-02 address no slots
-        return [None] * len(record.batch.seqs)
-    slots, bounds = metadata.slot_mapping.tolist(), metadata.cu_seqlens_q_list
-    return [slots[bounds[i] : bounds[i + 1]] for i in range(len(record.batch.seqs))]
+def slots_per_seq(record: StepRecord) -> list[list[int]]:
+    """The slots each sequence's new tokens were written to (-1: not stored, stage 00)."""
+    md = record.inputs.metadata
+    slots, bounds = md.slot_mapping.tolist(), md.host.cu_seqlens_q
+    return [slots[bounds[i] : bounds[i + 1]] for i in range(md.num_seqs)]
 
 
 def short(values: list[int], limit: int = 12) -> str:
@@ -64,6 +61,6 @@ def format_step(record: StepRecord, manager) -> str:
         where = f"blocks {short(seq.block_table)}" if seq.block_table else ""
         if seq.slab_id is not None:
             where = f"slab {seq.slab_id}"
-        written = f"  slots {short(slots)}" if slots is not None else ""
+        written = f"  slots {short(slots)}" if any(s >= 0 for s in slots) else ""
         lines.append(f"  seq {seq.seq_id}  len {len(seq)}  {where}{written}")
     return "\n".join(lines)

@@ -1,9 +1,12 @@
 """Reference attention in plain torch: causal, grouped-query, one sequence at a time.
 
-Introduced in stage 00. Every cache layout (none, contiguous slabs, paged blocks) ends up calling
-`attend` with one sequence's queries and its whole key/value history, so the arithmetic is the
-same at every stage and their tokens can be compared exactly. It is slow and does no tiling.
+Introduced in stage 00; the oracle every attention backend is tested against. Every torch cache
+layout (none, slabs, slots, paged blocks) ends up calling `attend` with one sequence's queries and
+its whole key/value history, so the arithmetic is the same at every stage and their tokens can be
+compared exactly. It is slow and does no tiling.
 """
+
+import itertools
 
 import torch
 
@@ -71,14 +74,15 @@ def grouped_attention(q, k, v, scale: float, mask: torch.Tensor | None) -> torch
 class NoCacheAttention:
     """Stage 00's backend: packed sequences attend only to themselves; nothing is stored.
 
-    `cu_seqlens` (num_seqs + 1,) marks where each sequence starts in the packed token axis:
-    sequences of 3 and 2 tokens give [0, 3, 5].
+    Every sequence is fed whole, so its keys are exactly its packed rows: sequences of 3 and 2
+    tokens give cu_seqlens_q [0, 3, 5], and rows 0..2 attend over rows 0..2.
     """
 
-    def __init__(self, cu_seqlens: list[int]):
-        self.cu_seqlens = cu_seqlens
+    name = "torch"
 
-    def forward(self, layer_id: int, q, k, v, scale: float) -> torch.Tensor:
+    def forward(self, layer_id: int, q, k, v, scale: float, metadata) -> torch.Tensor:
         """Attention output for every packed token, (T, H, D)."""
-        bounds = zip(self.cu_seqlens[:-1], self.cu_seqlens[1:])
-        return torch.cat([attend(q[s:e], k[s:e], v[s:e], scale) for s, e in bounds])
+        bounds = metadata.host.cu_seqlens_q
+        return torch.cat(
+            [attend(q[s:e], k[s:e], v[s:e], scale) for s, e in itertools.pairwise(bounds)]
+        )

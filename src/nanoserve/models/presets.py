@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanoserve.models.config import ModelConfig
 from nanoserve.models.build import build_model
+from nanoserve.models.config import ModelConfig
 from nanoserve.models.decoder import CausalLM
 
 PRESETS: dict[str, dict] = {

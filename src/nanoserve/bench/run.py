@@ -1,66 +1,29 @@
 """`nanoserve bench`: nano-vLLM's throughput workload on the engines of one or more stages.
 
 Introduced in stage 04. It times whole runs (prefill included), optionally beside transformers
-(`bench_hf.py`), and asserts nothing: tests prove the engine right, this measures its speed.
-torch is imported inside functions so that building the CLI's parser stays quick.
+(`bench/hf.py`), and asserts nothing: tests prove the engine right, this measures its speed.
+torch and the engine are imported inside functions so that building the CLI's parser stays quick.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
-import random
-import time
-from typing import NamedTuple
 
+from nanoserve.bench.workload import (
+    WARMUP_MAX_TOKENS,
+    WARMUP_PROMPT_LEN,
+    BenchResult,
+    Workload,
+    make_workload,
+    release_memory,
+    timer,
+)
 from nanoserve.config import EngineConfig, engine_config_for
+from nanoserve.options import add_engine_args, engine_options
 from nanoserve.stages import latest_stage, require_implemented
-
-TOKEN_ID_HIGH = 10000  # nano-vLLM draws prompt ids in 0..10000
-MIN_LEN = 100  # lengths are uniform in 100..max, as nano-vLLM's are (1..max when max < 100)
-WARMUP_PROMPT_LEN, WARMUP_MAX_TOKENS = 16, 8
-
-
-class Workload(NamedTuple):
-    """The requests of one benchmark: prompt ids and each request's max_tokens."""
-
-    prompt_token_ids: list[list[int]]
-    max_tokens: list[int]
-
-    def fold_ids(self, vocab_size: int) -> Workload:
-        """The same requests with ids taken modulo vocab_size (only models of <= 10000 ids)."""
-        if vocab_size > TOKEN_ID_HIGH:
-            return self
-        return self._replace(
-            prompt_token_ids=[[t % vocab_size for t in p] for p in self.prompt_token_ids]
-        )
-
-
-class BenchResult(NamedTuple):
-    """One engine's timed run."""
-
-    engine: str
-    output_tokens: int
-    seconds: float
-    preemptions: int | None  # None for engines that do not report it
-    note: str | None = None
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Output tokens per second of wall-clock time."""
-        return self.output_tokens / self.seconds
-
-
-def make_workload(num_seqs=256, max_input_len=1024, max_output_len=1024, seed=0) -> Workload:
-    """nano-vLLM's bench requests: all prompts are drawn first, then all max_tokens."""
-    rng = random.Random(seed)  # the same stream as nano-vLLM's random.seed(0) + randint
-    low_in, low_out = (MIN_LEN if n >= MIN_LEN else 1 for n in (max_input_len, max_output_len))
-    prompts = [[rng.randint(0, TOKEN_ID_HIGH) for _ in range(rng.randint(low_in, max_input_len))]
-               for _ in range(num_seqs)]  # fmt: skip
-    max_tokens = [rng.randint(low_out, max_output_len) for _ in range(num_seqs)]
-    return Workload(prompts, max_tokens)
+from nanoserve.types import ModelSpec
 
 
 def positive_int(text: str) -> int:
@@ -77,8 +40,6 @@ def stage_list(text: str) -> list[int]:
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     """Add the `bench` subcommand and its options to the CLI's subparsers."""
-    from nanoserve.cli import add_engine_args  # here, not at the top: the CLI imports this module
-
     p = subparsers.add_parser("bench", help="throughput on nano-vLLM's workload")
     p.add_argument("--num-seqs", type=positive_int, default=256)
     p.add_argument("--max-input-len", type=positive_int, default=1024)
@@ -108,7 +69,10 @@ def checked_stages(args) -> list[int]:
 
 
 def load_bench_model(args):
-    """The --model on the --device in the --dtype (defaults as `LLM` picks them)."""
+    """(spec, model): the --model on the --device in the --dtype (defaults as `LLM` picks them).
+
+    Loaded once and reused by every stage's engine, so each runs on the very same weights.
+    """
     import torch
 
     from nanoserve.llm import resolve_device, resolve_dtype
@@ -121,15 +85,14 @@ def load_bench_model(args):
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device: cuda was asked for but torch sees no CUDA GPU")
     try:  # a preset name builds random weights (models/presets.py)
-        return load_model(args.model, device, resolve_dtype(args.dtype, device))
+        spec = ModelSpec(args.model, resolve_dtype(args.dtype, device), device)
+        return spec, load_model(spec.source, spec.device, spec.dtype)
     except ValueError as err:
         raise ValueError(f"--model: {err}") from None
 
 
 def engine_config(args, model_config, workload: Workload) -> EngineConfig:
     """EngineConfig from the options, with `LLM`'s defaults; every request must fit."""
-    from nanoserve.cli import engine_options
-
     try:
         config = engine_config_for(model_config, **engine_options(args))
     except ValueError as err:
@@ -143,24 +106,6 @@ def engine_config(args, model_config, workload: Workload) -> EngineConfig:
     return config
 
 
-def timer(device) -> float:
-    """perf_counter() after queued GPU work is done, so a time covers the work, not its launch."""
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
-def release_memory(device) -> None:
-    """Return freed cache memory, so the next engine sizes its KV pool from what is free."""
-    import torch
-
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def drive(engine, prompts: list[list[int]], params: list) -> list:
     """Queue every request and step until all finish (what `LLM.generate` does, minus text)."""
     seqs = [engine.add_request(ids, p) for ids, p in zip(prompts, params)]
@@ -169,13 +114,13 @@ def drive(engine, prompts: list[list[int]], params: list) -> list:
     return seqs
 
 
-def run_nanoserve(model, stage: int, config: EngineConfig, workload: Workload) -> BenchResult:
+def run_nanoserve(spec, model, stage: int, config: EngineConfig, workload: Workload) -> BenchResult:
     """Build the stage's engine on `model`, warm it up, and time the whole workload."""
-    from nanoserve.engine.builders import build_engine
+    from nanoserve.engine.compositions import build_engine
     from nanoserve.sampling import SamplingParams
 
-    device = next(model.parameters()).device
-    engine = build_engine(stage, config, model, model.config.eos_token_ids)
+    device = spec.device
+    engine = build_engine(stage, config, spec, model.config.eos_token_ids, model=model)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m)
               for m in [WARMUP_MAX_TOKENS, *workload.max_tokens]]  # fmt: skip
     drive(engine, [workload.prompt_token_ids[0][:WARMUP_PROMPT_LEN]], params[:1])  # warm-up
@@ -185,9 +130,10 @@ def run_nanoserve(model, stage: int, config: EngineConfig, workload: Workload) -
     seconds = timer(device) - start
     preemptions = engine.scheduler.num_preemptions - preemptions_before
     output_tokens = sum(seq.num_completion_tokens for seq in seqs)
+    name = f"nanoserve stage {stage} ({engine.attention.name})"
     del engine, seqs
     release_memory(device)
-    return BenchResult(f"nanoserve stage {stage}", output_tokens, seconds, preemptions)
+    return BenchResult(name, output_tokens, seconds, preemptions)
 
 
 def describe(args, model, config: EngineConfig, workload: Workload) -> list[str]:
@@ -232,7 +178,7 @@ def write_json(path: str, header: list[str], args, stages: list[int], results: l
 def run_bench(args) -> int:
     """Run the benchmark the options describe, print the table (and write JSON); returns 0."""
     stages = checked_stages(args)
-    model = load_bench_model(args)
+    spec, model = load_bench_model(args)
     workload = make_workload(args.num_seqs, args.max_input_len, args.max_output_len)
     if args.first is not None:  # e.g. the first 64 of the full 256, like DESIGN's HF anchor
         workload = Workload(*(column[: args.first] for column in workload))
@@ -240,9 +186,9 @@ def run_bench(args) -> int:
     config = engine_config(args, model.config, workload)
     header = describe(args, model, config, workload)
     print("\n".join(header), flush=True)
-    results = [run_nanoserve(model, stage, config, workload) for stage in stages]
+    results = [run_nanoserve(spec, model, stage, config, workload) for stage in stages]
     if args.compare == "hf":
-        from nanoserve.bench_hf import run_transformers
+        from nanoserve.bench.hf import run_transformers
 
         results.append(run_transformers(args.model, model, workload, args.hf_batch_size))
     print("\n".join(format_table(results)))

@@ -2,7 +2,7 @@
 
 Introduced in stage 02. It knows ids only, not what they hold: no tensors, no tokens, no ref
 counts (prefix sharing arrives in stage 07), and no idea which sequence owns which id (that is the
-block table's job, stage 03).
+block table's job, stage 03). Stage 07 adds one verb, `take`: hand out one named free id.
 """
 
 from __future__ import annotations
@@ -66,6 +66,14 @@ class BlockAllocator:
         block_ids = [self._free_ids.pop() for _ in range(n)]
         self._used_ids.update(block_ids)
         return block_ids
+
+    def take(self, block_id: int) -> None:
+        """Hand out this exact free id (stage 07 reclaims a freed block that still holds a cached
+        prefix); ValueError, and no change, if it is in use or outside the pool."""
+        if not self.is_free(block_id):
+            raise ValueError(f"block {block_id} is in use; only a free block can be taken")
+        self._free_ids.remove(block_id)  # O(num_free); the free list keeps its LIFO order
+        self._used_ids.add(block_id)
 
     def free(self, block_ids: list[int]) -> None:
         """Take ids back in the order given, so the last id here is the next one handed out."""

@@ -1,7 +1,9 @@
 """The block table: one sequence's map from logical token position to a physical KV slot.
 
 Introduced in stage 03, on top of stage 02's allocator. It only computes addresses: it stores no
-K/V (the pool tensor arrives in stage 04) and shares no blocks between sequences (stage 07).
+K/V (the pool tensor arrives in stage 04) and decides no sharing. Stage 07 adds two verbs:
+`adopt` (start from blocks someone else pulled: a cached prefix) and `release` (hand the ids to
+the block manager, which frees only those no other sequence holds).
 
     logical positions          block table           physical pool, block_size 16
     (one 20-token sequence)    (block_ids)           (flat slot = block_id * 16 + offset)
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from nanoserve.cache.allocator import BlockAllocator
+from nanoserve.engine.allocator import BlockAllocator
 
 
 class BlockPosition(NamedTuple):
@@ -84,9 +86,25 @@ class BlockTable:
 
     def free(self) -> None:
         """Hand every block back to the allocator in table order and become empty."""
-        self.allocator.free(self.block_ids)
-        self.block_ids = []
-        self.num_tokens = 0
+        self.allocator.free(self.release())
+
+    def adopt(self, block_ids: list[int]) -> None:
+        """Append full blocks that were pulled elsewhere (a shared prefix); nothing is allocated.
+
+        Only whole blocks can be adopted, onto a table whose own blocks are full.
+        """
+        if self.num_tokens != self.capacity:
+            raise ValueError(
+                f"cannot adopt blocks after a partly filled block ({self.num_tokens} tokens in "
+                f"{self.num_blocks} blocks of {self.block_size})"
+            )
+        self.block_ids.extend(block_ids)
+        self.num_tokens += len(block_ids) * self.block_size
+
+    def release(self) -> list[int]:
+        """Become empty and return the ids held, in table order, without freeing any of them."""
+        block_ids, self.block_ids, self.num_tokens = self.block_ids, [], 0
+        return block_ids
 
     def _num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)  # ceil division without floats

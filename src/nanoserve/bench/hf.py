@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.bench import (
+from nanoserve.bench.workload import (
     WARMUP_MAX_TOKENS,
     WARMUP_PROMPT_LEN,
     BenchResult,

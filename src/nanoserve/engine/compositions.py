@@ -1,0 +1,208 @@
+"""Stage compositions: the one table of what each stage's engine is made of, and the builder.
+
+Introduced when the seams were drawn (before stage 05). Per stage: the cache manager (control
+plane), the KV cache (data plane), the pieces a learner may replace with `components=` (by the
+API names their starter defines), and the attention backends it offers, best first.
+`build_engine(stage=N)` is how `LLM(stage=N)` gets "the engine as of stage N", so the
+equivalence chain between stages is a plain test. A new stage adds one row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from nanoserve.cache import contiguous, paged
+from nanoserve.cache.attention_metadata import prepare_decode, prepare_prefill
+from nanoserve.cache.budget import kv_budget_bytes, kv_bytes_per_token, units_in_budget
+from nanoserve.cache.no_cache import NoCache
+from nanoserve.cache.slot_cache import SlotAttention, SlotKVCache
+from nanoserve.config import EngineConfig
+from nanoserve.engine.allocator import BlockAllocator, OutOfBlocks
+from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.block_table import BlockPosition, BlockTable
+from nanoserve.engine.kv_manager import NoCacheManager
+from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.engine.model_runner import ModelRunner
+from nanoserve.engine.slab_manager import SlabManager
+from nanoserve.engine.table_manager import build_table_manager
+from nanoserve.kernels.attention import NoCacheAttention, attend
+from nanoserve.kernels.backend import log_choice, select_attention_backend
+from nanoserve.layers.norm import rms_norm
+from nanoserve.layers.rotary import apply_rotary, rope_cos_sin, rope_inv_freq, rotate_half
+from nanoserve.models.config import ModelConfig
+from nanoserve.models.decoder import swiglu
+from nanoserve.sampling import filter_probs, sample_one
+from nanoserve.stages import require_implemented
+from nanoserve.types import ModelSpec
+
+
+class Sizing(NamedTuple):
+    """What a stage's builder knows about the model and the memory it may fill."""
+
+    model_config: ModelConfig
+    dtype: torch.dtype
+    device: torch.device
+    budget_bytes: Callable[[], int]  # measured only when a pool must be sized from it
+
+    def units(self, tokens_per_unit: int, unit: str) -> int:
+        """How many slabs or blocks of tokens_per_unit tokens fit the KV budget."""
+        per_token = kv_bytes_per_token(self.model_config, self.dtype)
+        return units_in_budget(self.budget_bytes(), per_token, tokens_per_unit, unit)
+
+    def cache_shape(self) -> dict:
+        """Layer count, KV heads, head size, dtype and device, as the caches take them."""
+        mc = self.model_config
+        return dict(num_layers=mc.num_hidden_layers, num_kv_heads=mc.num_key_value_heads,
+                    head_dim=mc.head_dim, dtype=self.dtype, device=self.device)  # fmt: skip
+
+
+# A builder makes (manager, cache) from the config, the sizing and the stage's resolved parts.
+Builder = Callable[[EngineConfig, Sizing, dict], tuple]
+# An attention factory makes the backend over the cache the builder made.
+AttentionFactory = Callable[[object, dict], object]
+
+
+def build_no_cache(config: EngineConfig, sizing: Sizing, parts: dict):
+    """Stage 00: nothing stored; every step recomputes every token."""
+    return NoCacheManager(), NoCache(sizing.device)
+
+
+def build_slabs(config: EngineConfig, sizing: Sizing, parts: dict):
+    """Stages 01-02: one worst-case slab per running sequence."""
+    num_slabs = config.num_slabs or min(
+        config.max_num_seqs, sizing.units(config.max_model_len, "slab")
+    )
+    cache = contiguous.ContiguousKVCache(num_slabs, max_model_len=config.max_model_len,
+                                         **sizing.cache_shape())  # fmt: skip
+    return parts["SlabManager"](num_slabs), cache
+
+
+def num_blocks_for(config: EngineConfig, sizing: Sizing) -> int:
+    """KV blocks that fit the budget, unless config names a number."""
+    return config.num_kv_blocks or sizing.units(config.block_size, "block")
+
+
+def build_block_tables(config: EngineConfig, sizing: Sizing, parts: dict):
+    """Stage 03: block tables over an allocator; K/V at flat slots; worst case reserved."""
+    num_blocks = num_blocks_for(config, sizing)
+    manager = build_table_manager(num_blocks, config.block_size, config.max_model_len,
+                                  parts["BlockAllocator"], parts["BlockTable"])  # fmt: skip
+    cache = SlotKVCache(num_blocks, config.block_size, **sizing.cache_shape())
+    return manager, cache
+
+
+def build_paged(config: EngineConfig, sizing: Sizing, parts: dict):
+    """Stage 04: one pool tensor, lazy block growth, preemption when the pool runs dry."""
+    num_blocks = num_blocks_for(config, sizing)
+    pool = paged.PagedKVPool(num_blocks, config.block_size, **sizing.cache_shape(),
+                             prepare_prefill=parts["prepare_prefill"],
+                             prepare_decode=parts["prepare_decode"])  # fmt: skip
+    return parts["BlockManager"](num_blocks, config.block_size), pool
+
+
+@dataclass(frozen=True)
+class Composition:
+    """What the engine of one stage is made of, and what its learner writes."""
+
+    build: Builder  # makes (manager, cache) from the config, the sizing and the resolved parts
+    parts: dict  # API name -> reference piece of this stage's engine; components= replaces them
+    attention: dict[str, AttentionFactory]  # the backends offered, best first
+    learner_api: dict  # API name -> reference: every name the stage's starter.py defines
+
+    def resolve(self, stage: int, components: dict | None) -> dict:
+        """The reference parts with the learner's components swapped in, every key checked."""
+        components = dict(components or {})
+        unknown = sorted(set(components) - set(self.parts))
+        if unknown:
+            raise ValueError(unknown_components_message(stage, unknown, sorted(self.parts)))
+        return {**self.parts, **components}
+
+
+def slab_attention(cache, parts: dict):
+    """Stage 01's attention: the learner's store_slab / load_slab around the torch oracle."""
+    return contiguous.SlabAttention(cache, parts["store_slab"], parts["load_slab"])
+
+
+def paged_torch_attention(pool, parts: dict):
+    """Stage 04's torch backend: the learner's store_kvcache / gather_kv around the oracle."""
+    return paged.TorchPagedAttention(pool, parts["store_kvcache"], parts["gather_kv"])
+
+
+MODEL_API = {
+    "rms_norm": rms_norm,
+    "rotate_half": rotate_half,
+    "rope_inv_freq": rope_inv_freq,
+    "rope_cos_sin": rope_cos_sin,
+    "apply_rotary": apply_rotary,
+    "attend": attend,
+    "swiglu": swiglu,
+    "filter_probs": filter_probs,
+    "sample": sample_one,
+}
+SLAB_PARTS = {
+    "SlabManager": SlabManager,
+    "store_slab": contiguous.store_slab,
+    "load_slab": contiguous.load_slab,
+}
+TABLE_PARTS = {"BlockAllocator": BlockAllocator, "BlockTable": BlockTable}
+PAGED_PARTS = {
+    "BlockManager": BlockManager,
+    "store_kvcache": paged.store_kvcache,
+    "gather_kv": paged.gather_kv,
+    "prepare_prefill": prepare_prefill,
+    "prepare_decode": prepare_decode,
+}
+
+#   stage: Composition(builder, engine parts (replaceable), attention backends, learner API)
+COMPOSITIONS: dict[int, Composition] = {
+    0: Composition(build_no_cache, {}, {"torch": lambda cache, parts: NoCacheAttention()},
+                   MODEL_API),
+    1: Composition(build_slabs, SLAB_PARTS, {"torch": slab_attention}, SLAB_PARTS),
+    # Stage 02's allocator is graded on its own: its engine is stage 01's, and stage 03's
+    # engine is where the allocator is plugged in.
+    2: Composition(build_slabs, SLAB_PARTS, {"torch": slab_attention},
+                   {"OutOfBlocks": OutOfBlocks, "BlockAllocator": BlockAllocator}),
+    3: Composition(build_block_tables, TABLE_PARTS,
+                   {"torch": lambda cache, parts: SlotAttention(cache)},
+                   {"BlockPosition": BlockPosition, "BlockTable": BlockTable}),
+    4: Composition(build_paged, PAGED_PARTS, {"torch": paged_torch_attention}, PAGED_PARTS),
+}  # fmt: skip
+
+
+def unknown_components_message(stage: int, unknown: list[str], valid: list[str]) -> str:
+    """Which keys are wrong, what the stage takes, and where a misplaced key belongs."""
+    takes = ", ".join(valid) if valid else "no components"
+    homes = [f"{name} is a stage {n} component" for name in unknown
+             for n, c in COMPOSITIONS.items() if name in c.parts and n != stage][:1]  # fmt: skip
+    hint = f" ({homes[0]})" if homes else ""
+    return (f"components {', '.join(map(repr, unknown))} are not parts of stage {stage}'s "
+            f"engine{hint}; stage {stage} takes {takes}")  # fmt: skip
+
+
+def build_engine(stage: int, config: EngineConfig, spec: ModelSpec, eos_ids, components=None,
+                 model=None) -> LLMEngine:  # fmt: skip
+    """The engine as of `stage`: the shared loop plus that stage's manager, cache and backend.
+
+    The runner builds the model from `spec` (or reuses `model`, built from the same spec).
+    """
+    require_implemented(stage)
+    composition = COMPOSITIONS[stage]
+    parts = composition.resolve(stage, components)  # before any slow loading
+    choice = select_attention_backend(config.attention_backend, spec.device,
+                                      tuple(composition.attention))  # fmt: skip
+    runner = ModelRunner(spec, model)
+
+    def budget_bytes() -> int:
+        on_cuda = spec.device.type == "cuda"
+        return kv_budget_bytes(config, spec.device,
+                               runner.warmup_peak_bytes(config) if on_cuda else 0)  # fmt: skip
+
+    sizing = Sizing(runner.model.config, spec.dtype, spec.device, budget_bytes)
+    manager, cache = composition.build(config, sizing, parts)
+    runner.bind(cache, composition.attention[choice.name](cache, parts))
+    log_choice(choice)
+    return LLMEngine(config, runner, manager, eos_ids, choice)

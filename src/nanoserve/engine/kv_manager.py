@@ -1,0 +1,125 @@
+"""The cache-manager seam: the contract every stage's memory bookkeeping meets, and its helpers.
+
+Introduced when the seams were drawn (before stage 05). A manager decides whether a sequence
+fits and records where its K/V lives (`seq.slab_id` or `seq.block_table`); it owns no tensors.
+Stage 01 slabs, stage 03 tables, stage 04 blocks and stage 07 prefix blocks implement it; the
+scheduler only asks it. Also here: stage 00's manager (nothing to manage) and the block
+arithmetic the table and block managers share.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from nanoserve.types import Sequence
+
+
+class KVCacheManager(Protocol):
+    """Admission, growth and release of K/V memory, in the scheduler's order of calls.
+
+    Contract, for one sequence's life:
+      check_fits(num_prompt_tokens, max_num_tokens)   once, before it is queued: raises ValueError
+                                                      for a request that could never finish
+      can_allocate(seq) -> allocate(seq)              admission before a prefill; allocate is
+                                                      all-or-nothing and sets seq.block_table
+                                                      (or seq.slab_id)
+      can_append(seq)   -> may_append(seq)            before each decode step: room for one token
+      deallocate(seq)                                 finish or preemption: releases its memory
+                                                      and sets seq.num_cached_tokens to 0
+    Predicates change nothing. `check_invariants()` raises AssertionError on inconsistent books.
+    """
+
+    def check_fits(self, num_prompt_tokens: int, max_num_tokens: int) -> None: ...
+    def can_allocate(self, seq: Sequence) -> bool: ...
+    def allocate(self, seq: Sequence) -> None: ...
+    def can_append(self, seq: Sequence) -> bool: ...
+    def may_append(self, seq: Sequence) -> None: ...
+    def deallocate(self, seq: Sequence) -> None: ...
+    def check_invariants(self) -> None: ...
+
+
+@runtime_checkable
+class PrefixCachingManager(Protocol):
+    """A manager that shares full blocks between sequences by content (stage 07).
+
+    Contract: after a forward pass stored K/V for seq's tokens up to `seq.num_cached_tokens`,
+    `hash_blocks(seq)` records a hash for every block that is now full and not yet hashed, so a
+    later `allocate` can share it. The scheduler calls it in `postprocess`, once per sequence.
+    """
+
+    def hash_blocks(self, seq: Sequence) -> None: ...
+
+
+@runtime_checkable
+class CountsBlocks(Protocol):
+    """What `--trace` shows of a block-based manager."""
+
+    num_blocks: int
+
+    @property
+    def num_free_blocks(self) -> int: ...
+
+
+@runtime_checkable
+class CountsSlabs(Protocol):
+    """What `--trace` shows of a slab-based manager."""
+
+    num_slabs: int
+
+    @property
+    def num_free_slabs(self) -> int: ...
+
+
+class NoCacheManager:
+    """Stage 00: memory never limits admission; only `max_num_seqs` bounds the batch."""
+
+    def check_fits(self, num_prompt_tokens: int, max_num_tokens: int) -> None:
+        """Every request fits: nothing is stored."""
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        """Always."""
+        return True
+
+    def allocate(self, seq: Sequence) -> None:
+        """Nothing to hold."""
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Always."""
+        return True
+
+    def may_append(self, seq: Sequence) -> None:
+        """Nothing to grow."""
+
+    def deallocate(self, seq: Sequence) -> None:
+        """Nothing to release; the sequence is recomputed from scratch anyway."""
+        seq.num_cached_tokens = 0
+
+    def check_invariants(self) -> None:
+        """No books to check."""
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold num_tokens tokens: ceil(num_tokens / block_size)."""
+    return -(-num_tokens // block_size)
+
+
+def check_blocks_fit(num_tokens: int, what: str, block_size: int, num_blocks: int) -> None:
+    """Raise ValueError when num_tokens (of `what`) need more blocks than the whole pool has.
+
+    Such a request could never finish, even alone: without this check it would wait (or, with
+    lazy growth, preempt itself) forever.
+    """
+    need = blocks_for(num_tokens, block_size)
+    if need > num_blocks:
+        raise ValueError(
+            f"{what} ({num_tokens} tokens) needs {need} blocks of {block_size} but the pool has "
+            f"only {num_blocks}; it could never finish. Lower max_tokens or grow the pool "
+            "(num_kv_blocks, kv_cache_bytes)"
+        )
+
+
+def grow_table(table, num_tokens: int) -> list[int]:
+    """Grow a BlockTable to hold num_tokens tokens; returns the block ids it had to pull."""
+    num_blocks_before = len(table.block_ids)
+    table.append(num_tokens - table.num_tokens)
+    return table.block_ids[num_blocks_before:]

@@ -1,0 +1,85 @@
+"""The attention-backend seam: the contract every backend meets, and the one place that picks one.
+
+Introduced when the seams were drawn (before stage 05). A backend stores this step's K/V and
+attends over the cache it was built on; `select_attention_backend` picks one per engine from what
+the stage offers and what the device can run, with the reason, logged once. It builds nothing:
+the stage composition (engine/compositions.py) constructs the backend it names.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from typing import NamedTuple, Protocol
+
+import torch
+
+from nanoserve.types import AttentionMetadata
+
+logger = logging.getLogger("nanoserve")
+
+BACKEND_NAMES = ("torch", "triton", "flash_attn")  # what attention_backend= may name, or "auto"
+
+
+class AttentionBackend(Protocol):
+    """One model call's attention, layer by layer, over the cache the backend was built on.
+
+    Contract: `forward(layer_id, q, k, v, scale, metadata)` takes this step's packed queries
+    q (T, H, D) and new keys/values k, v (T, H_kv, D), writes k and v into the cache at
+    `metadata.slot_mapping` (skipping slot -1) if the backend has a cache, and returns (T, H, D):
+    causal attention of each sequence's new tokens over its whole context (cached prefix + new
+    tokens). It must not change q, k, v or the metadata; rows past `metadata.num_seqs` are padding
+    whose output is never read. `name` is what `attention_backend=` calls it.
+    """
+
+    name: str
+
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                scale: float, metadata: AttentionMetadata) -> torch.Tensor: ...  # fmt: skip
+
+
+class BackendChoice(NamedTuple):
+    """Which backend an engine runs, and why."""
+
+    name: str
+    reason: str
+
+
+def is_importable(module: str) -> bool:
+    """True when `module` could be imported (without importing it)."""
+    return importlib.util.find_spec(module) is not None
+
+
+def select_attention_backend(requested: str, device: torch.device,
+                             offered: tuple[str, ...]) -> BackendChoice:  # fmt: skip
+    """The backend to run: the requested one if the stage offers it, or the best for the device.
+
+    `offered` lists what the stage's composition can build, best first. "auto" takes the first
+    offered that the device runs natively: a GPU kernel on CUDA, the torch oracle on a CPU
+    (Triton runs on a CPU only through its slow interpreter, for tests).
+    """
+    if requested not in ("auto", *BACKEND_NAMES):
+        raise ValueError(
+            f"attention_backend {requested!r} is unknown; expected 'auto' or one of "
+            f"{', '.join(BACKEND_NAMES)}"
+        )
+    if requested != "auto":
+        if requested not in offered:
+            raise ValueError(
+                f"attention_backend {requested!r} is not offered at this stage; it offers "
+                f"{', '.join(offered)} (the triton kernels arrive in stage 06)"
+            )
+        if requested == "flash_attn" and not is_importable("flash_attn"):
+            raise ValueError("attention_backend 'flash_attn' needs the flash-attn package")
+        return BackendChoice(requested, "asked for")
+    if device.type != "cuda":
+        return BackendChoice("torch", f"auto on {device.type}: the torch oracle")
+    for name in offered:
+        if name == "torch" or is_importable(name):
+            return BackendChoice(name, f"auto on cuda: the first of {', '.join(offered)} found")
+    return BackendChoice("torch", "auto on cuda: no kernel package importable")
+
+
+def log_choice(choice: BackendChoice) -> None:
+    """Say once per engine which backend runs and why."""
+    logger.info("attention backend: %s (%s)", choice.name, choice.reason)

@@ -1,0 +1,28 @@
+"""Engine options on the command line: every `EngineConfig` field as a `--flag`, for all commands.
+
+Introduced in stage 04 (`generate`, `chat` and `bench` all take them). It maps flags to field
+names and to the field's Python type, nothing more; `EngineConfig` validates the values.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+from nanoserve.config import EngineConfig
+
+FLAG_TYPES = {"int": int, "int | None": int, "float": float, "str": str}  # field annotation -> type
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """EngineConfig fields as --flags; unset ones keep the engine's defaults."""
+    group = parser.add_argument_group("engine options")
+    for field in fields(EngineConfig):
+        group.add_argument("--" + field.name.replace("_", "-"), default=None,
+                           type=FLAG_TYPES[str(field.type)])  # fmt: skip
+
+
+def engine_options(args) -> dict:
+    """The engine flags the user set."""
+    names = [field.name for field in fields(EngineConfig)]
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}

@@ -1,0 +1,141 @@
+"""The plain data every layer shares: a request (`Sequence`), a step's batch, and its inputs.
+
+Introduced in stage 00 (`Sequence`, `ScheduledBatch`); `AttentionMetadata` and `StepInputs` in
+stage 04, used by every stage since the seams were drawn. Nothing here decides anything: the
+scheduler and the cache managers (engine/) fill these in, the caches (cache/) and the attention
+backends (kernels/) read them. It sits at the bottom of the import order, so anyone may use it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from enum import Enum
+from typing import NamedTuple
+
+import torch
+
+from nanoserve.sampling import SamplingParams, make_generator
+
+
+class SequenceStatus(Enum):
+    """WAITING -> RUNNING -> FINISHED; preemption sends RUNNING back to WAITING."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Prompt plus completion token ids of one request.
+
+    It holds ids only; where its keys and values live is recorded by the cache manager of the
+    stage (a slab id in stage 01, a block table from stage 03).
+    """
+
+    _ids = itertools.count()
+
+    def __init__(self, prompt_token_ids: list[int], params: SamplingParams, device="cpu"):
+        self.seq_id = next(Sequence._ids)
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.generator = make_generator(params, torch.device(device))
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.num_cached_tokens = 0  # tokens whose K/V is already stored
+        self.slab_id: int | None = None  # stage 01: the contiguous slab this sequence owns
+        self.block_table: list[int] = []  # stage 03+: physical block ids, in logical order
+        self.num_preemptions = 0
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        """The newest token; a decode step feeds it to the model."""
+        return self.token_ids[-1]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The request's prompt."""
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        """Tokens generated so far."""
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_completion_tokens(self) -> int:
+        """How many tokens have been generated."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        """True once a stop token or a length limit was reached."""
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        """Add a freshly sampled token."""
+        self.token_ids.append(token_id)
+
+
+class ScheduledBatch(NamedTuple):
+    """The sequences of one step and the kind of step."""
+
+    seqs: list[Sequence]
+    is_prefill: bool
+
+
+class HostMetadata(NamedTuple):
+    """Host (Python list) copies of metadata fields, for torch code that loops per sequence.
+
+    Same names as the tensors they copy; only the real sequences (no CUDA-graph padding rows).
+    A kernel backend never reads them: a captured graph cannot see Python lists.
+    """
+
+    cu_seqlens_q: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+
+
+class AttentionMetadata(NamedTuple):
+    """Where this step's K/V goes and what each sequence reads: one set of names for every stage.
+
+    B sequences (rows past `num_seqs` are padding a caller asked for: slot -1, context length 0),
+    T packed query tokens. Two sequences with 3 and 2 new tokens over cached prefixes of 4 and 7:
+    cu_seqlens_q [0, 3, 5], cu_seqlens_k [0, 7, 16], context_lens [7, 9], max_seqlen_q 3.
+    """
+
+    is_prefill: bool
+    cu_seqlens_q: torch.Tensor  # (B + 1,) int32: sequence i owns packed rows q[i] .. q[i+1]-1
+    cu_seqlens_k: torch.Tensor  # (B + 1,) int32: the same over whole contexts (cached + new)
+    max_seqlen_q: int  # the most new tokens of one sequence
+    max_seqlen_k: int  # the longest context
+    slot_mapping: torch.Tensor  # (T,) int64 flat slot each new token's K/V goes to; -1 = none
+    context_lens: torch.Tensor  # (B,) int32 tokens each sequence attends over
+    block_tables: torch.Tensor  # (B, W) int32 block ids in logical order, padded with -1
+    host: HostMetadata
+
+    @property
+    def num_seqs(self) -> int:
+        """Real sequences in the step (padding rows excluded)."""
+        return len(self.host.context_lens)
+
+
+class StepInputs(NamedTuple):
+    """Everything one model call reads: packed token ids, their positions, the metadata."""
+
+    input_ids: torch.Tensor  # (T,) int64
+    positions: torch.Tensor  # (T,) int64, each token's position inside its own sequence
+    metadata: AttentionMetadata
+
+
+class ModelSpec(NamedTuple):
+    """What the model runner builds its model from; a tensor-parallel worker builds its shard."""
+
+    source: str  # a known name, a preset, a GGUF file or a safetensors folder
+    dtype: torch.dtype
+    device: torch.device
+    tp_rank: int = 0  # stage 09: this process's rank among tp_size
+    tp_size: int = 1
