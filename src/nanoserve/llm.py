@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from nanoserve.config import engine_config_for
 from nanoserve.engine.compositions import build_engine
-from nanoserve.models.loader import load_model_config, load_tokenizer
+from nanoserve.models.loader import load_model_config, load_tokenizer, model_source
 from nanoserve.models.registry import DEFAULT_MODEL
 from nanoserve.sampling import SamplingParams
 from nanoserve.stages import latest_stage, require_implemented
@@ -67,10 +67,11 @@ class LLM:
         self.stage = latest_stage() if stage is None else require_implemented(stage)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.model_config = load_model_config(model)
-        self.tokenizer = load_tokenizer(model)
+        source = model_source(model)  # resolved once: a Hub id is looked up a single time
+        self.model_config = load_model_config(source)
+        self.tokenizer = load_tokenizer(source)
         self.config = engine_config_for(self.model_config, **engine_options)
-        spec = ModelSpec(str(model), self.dtype, self.device)
+        spec = ModelSpec(source, self.dtype, self.device)
         self.engine = build_engine(self.stage.number, self.config, spec, self.eos_ids(), components)
 
     @property

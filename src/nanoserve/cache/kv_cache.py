@@ -7,11 +7,12 @@ manager's, in engine/) and computes no attention (the backend's, in kernels/ or 
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from nanoserve.types import ScheduledBatch, StepInputs
 
 
+@runtime_checkable
 class KVCache(Protocol):
     """Tensors for K/V plus the per-step packing.
 

@@ -14,6 +14,7 @@ from typing import Protocol, runtime_checkable
 from nanoserve.types import Sequence
 
 
+@runtime_checkable
 class KVCacheManager(Protocol):
     """Admission, growth and release of K/V memory, in the scheduler's order of calls.
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -21,6 +21,7 @@ logger = logging.getLogger("nanoserve")
 BACKEND_NAMES = ("torch", "triton", "flash_attn")  # what attention_backend= may name, or "auto"
 
 
+@runtime_checkable
 class AttentionBackend(Protocol):
     """One model call's attention, layer by layer, over the cache the backend was built on.
 

@@ -69,6 +69,11 @@ def is_preset(model: str | Path) -> bool:
     return isinstance(model, str) and model in PRESETS and not Path(model).exists()
 
 
+def model_source(model: str | Path) -> str:
+    """What a model spec names: a preset as it is, anything else as its checkpoint folder."""
+    return model if is_preset(model) else str(checkpoint_folder(model))
+
+
 def load_model_config(model: str | Path) -> ModelConfig:
     """The model's shape, without loading any weights."""
     if is_preset(model):
