@@ -99,3 +99,55 @@ def test_a_kv_budget_too_small_for_one_block_names_the_options(tiny_checkpoints)
     folder, _ = tiny_checkpoints["llama"]
     with pytest.raises(ValueError, match=r"one block of 16 tokens needs \d+ bytes.*kv_cache_bytes"):
         LLM(str(folder), stage=4, device="cpu", dtype="float64", kv_cache_bytes=10)
+
+
+@pytest.mark.parametrize(
+    ("sampling_params", "message"),
+    [
+        ({"max_tokens": 3}, r"sampling_params is a dict; pass one SamplingParams"),
+        ((SamplingParams(),) * 2, r"sampling_params has 2 entries for 1 prompts"),
+        ([{"max_tokens": 3}], r"sampling_params\[0\] is a dict; expected SamplingParams"),
+    ],
+)
+def test_bad_sampling_params_argument_is_rejected_before_anything_is_queued(
+    llm, sampling_params, message
+):
+    with pytest.raises(ValueError, match=message):
+        llm.generate([[1, 2, 3]], sampling_params, use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+    assert serves_a_valid_request(llm)
+
+
+@pytest.mark.parametrize(
+    ("prompts", "message"),
+    [
+        ([b"\x01\x02"], r"prompts\[0\] is a bytes; expected a str or a list of int token ids"),
+        ([[1, True]], r"prompts\[0\]\[1\] is True; token ids must be ints"),
+        ([[1, 2], [1, 2.0]], r"prompts\[1\]\[1\] is 2.0; token ids must be ints"),
+    ],
+)
+def test_prompts_that_are_not_text_or_int_ids_are_rejected(llm, prompts, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompts, use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+    assert serves_a_valid_request(llm)
+
+
+def test_asking_for_cuda_without_a_gpu_says_so_plainly(tiny_checkpoints, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    folder, _ = tiny_checkpoints["llama"]
+    with pytest.raises(ValueError, match="torch sees no CUDA GPU here"):
+        LLM(str(folder), device="cuda")
+
+
+def test_the_cli_reports_a_missing_gpu_in_one_line(capsys, monkeypatch):
+    import torch
+
+    from nanoserve.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["generate", "hi", "--device", "cuda", "--model", "tiny-llama", "--raw"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no CUDA GPU" in err and "Traceback" not in err

@@ -7,6 +7,7 @@ the mechanism lives in `nanoserve.engine`, `nanoserve.cache` and `nanoserve.kern
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -40,7 +41,13 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     """cuda when available, else cpu, unless one is named."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {device!r} is not a torch device; expected cpu or cuda") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for, but torch sees no CUDA GPU here")
+    return resolved
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -52,6 +59,16 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     if dtype in DTYPES:
         return DTYPES[dtype]
     raise ValueError(f"dtype {dtype!r} is not supported; expected one of {sorted(DTYPES)}")
+
+
+def checked_ids(prompt, index: int) -> list[int]:
+    """A prompt given as token ids, as a list of Python ints; ValueError naming a bad entry."""
+    for position, token_id in enumerate(prompt):
+        if isinstance(token_id, bool) or not isinstance(token_id, (int, numbers.Integral)):
+            raise ValueError(
+                f"prompts[{index}][{position}] is {token_id!r}; token ids must be ints"
+            )
+    return [int(t) for t in prompt]
 
 
 class LLM:
@@ -95,11 +112,15 @@ class LLM:
                 self.engine.check_request(ids, p)
             except ValueError as err:
                 raise ValueError(f"prompts[{i}]: {err}") from None
-        seqs = [self.engine.add_request(ids, p) for ids, p in zip(prompt_ids, params)]
-        bar = tqdm(total=len(seqs), desc="generate", disable=not use_tqdm or len(seqs) < 2)
-        with bar:
-            while self.engine.has_unfinished():
-                bar.update(len(self.engine.step()))
+        seqs = []
+        try:  # the call owns its requests: however it ends, none is left queued or holding memory
+            seqs.extend(self.engine.add_request(ids, p) for ids, p in zip(prompt_ids, params))
+            bar = tqdm(total=len(seqs), desc="generate", disable=not use_tqdm or len(seqs) < 2)
+            with bar:
+                while not all(seq.is_finished for seq in seqs):
+                    bar.update(len(self.engine.step()))
+        finally:
+            self.engine.abort(seqs)
         return [self._output(text, seq) for text, seq in zip(texts, seqs)]
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
@@ -118,14 +139,18 @@ class LLM:
     def stream(self, prompt: str, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield pieces of the completion text as tokens are produced."""
         _, (ids,) = self._tokenize_all([prompt])
-        seq = self.engine.add_request(ids, sampling_params or SamplingParams())
+        (params,) = self._params_per_prompt(sampling_params, 1)
+        seq = self.engine.add_request(ids, params)
         printed = ""
-        while not seq.is_finished:
-            self.engine.step()
-            text = self._decode(seq.completion_token_ids)
-            if not text.endswith("\ufffd"):  # hold back half of a multi-byte character
-                yield text[len(printed) :]
-                printed = text
+        try:  # closing the generator early (or an interrupt) aborts the request
+            while not seq.is_finished:
+                self.engine.step()
+                text = self._decode(seq.completion_token_ids)
+                if not text.endswith("\ufffd"):  # hold back half of a multi-byte character
+                    yield text[len(printed) :]
+                    printed = text
+        finally:
+            self.engine.abort([seq])
 
     def _tokenize_all(self, prompts) -> tuple[list[str | None], list[list[int]]]:
         if isinstance(prompts, str):
@@ -138,11 +163,14 @@ class LLM:
                 self._need_tokenizer()
                 texts.append(prompt)
                 ids.append(self.tokenizer.encode(prompt, add_special_tokens=False))
-            elif isinstance(prompt, Sequence):
+            elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
                 texts.append(None)
-                ids.append(list(prompt))
+                ids.append(checked_ids(prompt, i))
             else:
-                raise ValueError(f"prompts[{i}] is a {type(prompt).__name__}; expected str or ids")
+                raise ValueError(
+                    f"prompts[{i}] is a {type(prompt).__name__}; expected a str or a list of int "
+                    "token ids"
+                )
         return texts, ids
 
     @staticmethod
@@ -151,11 +179,21 @@ class LLM:
             return [SamplingParams()] * n
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
+        if not isinstance(sampling_params, (list, tuple)):
+            raise ValueError(
+                f"sampling_params is a {type(sampling_params).__name__}; pass one SamplingParams "
+                "or a list with one per prompt"
+            )
         if len(sampling_params) != n:
             raise ValueError(
                 f"sampling_params has {len(sampling_params)} entries for {n} prompts; "
                 "pass one SamplingParams or one per prompt"
             )
+        for i, params in enumerate(sampling_params):
+            if not isinstance(params, SamplingParams):
+                raise ValueError(
+                    f"sampling_params[{i}] is a {type(params).__name__}; expected SamplingParams"
+                )
         return list(sampling_params)
 
     def _need_tokenizer(self) -> None:

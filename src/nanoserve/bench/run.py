@@ -73,19 +73,15 @@ def load_bench_model(args):
 
     Loaded once and reused by every stage's engine, so each runs on the very same weights.
     """
-    import torch
-
     from nanoserve.llm import resolve_device, resolve_dtype
-    from nanoserve.models.loader import load_model
+    from nanoserve.models.loader import load_model, model_source
 
     try:
         device = resolve_device(args.device)
-    except RuntimeError:
-        raise ValueError(f"--device: {args.device!r} is not a torch device (cpu, cuda)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device: cuda was asked for but torch sees no CUDA GPU")
+    except ValueError as err:
+        raise ValueError(f"--device: {err}") from None
     try:  # a preset name builds random weights (models/presets.py)
-        spec = ModelSpec(args.model, resolve_dtype(args.dtype, device), device)
+        spec = ModelSpec(model_source(args.model), resolve_dtype(args.dtype, device), device)
         return spec, load_model(spec.source, spec.device, spec.dtype)
     except ValueError as err:
         raise ValueError(f"--model: {err}") from None

@@ -66,12 +66,21 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             raise RuntimeError("scheduler produced an empty batch with requests pending")
-        token_ids = self.runner.run(batch)
+        try:
+            token_ids = self.runner.run(batch)
+        except BaseException:  # an error or an interrupt inside the forward pass
+            self.scheduler.undo(batch)
+            raise
         self.num_steps += 1
         if self.on_step is not None:
             num_preempted = self.scheduler.num_preemptions - num_preempted_before
             self.on_step(StepRecord(self.num_steps, batch, self.runner.last_inputs, num_preempted))
         return self.scheduler.postprocess(batch, token_ids, self.eos_ids)
+
+    def abort(self, seqs: Iterable[Sequence]) -> None:
+        """Remove these requests from the queues and free their memory (finished ones: no-op)."""
+        for seq in seqs:
+            self.scheduler.abort(seq)
 
     def has_unfinished(self) -> bool:
         """True while some request waits or runs."""

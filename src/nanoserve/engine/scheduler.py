@@ -82,6 +82,33 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def undo(self, batch: ScheduledBatch) -> None:
+        """Forget a step whose forward pass failed or was interrupted (the exception propagates).
+
+        A prefill's K/V may be half written, so its sequences give their memory back and wait to
+        be recomputed, at the front of the queue in their order. A decode step needs nothing: its
+        token was never appended, and growth made by may_append is reused by the next decode.
+        """
+        if not batch.is_prefill:
+            return
+        for seq in reversed(batch.seqs):
+            if seq in self.running:
+                self.running.remove(seq)
+                self.manager.deallocate(seq)
+                seq.status = SequenceStatus.WAITING
+                self.waiting.appendleft(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop a waiting or running sequence for good and release its memory; finished: no-op."""
+        if seq.is_finished:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+            self.manager.deallocate(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)  # a waiting sequence holds no memory
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+
     def postprocess(self, batch: ScheduledBatch, token_ids: list[int], eos_ids) -> list[Sequence]:
         """Append each sampled token; finish and release sequences that are done."""
         finished = []
