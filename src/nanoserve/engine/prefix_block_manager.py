@@ -1,0 +1,166 @@
+"""Stage 07's block manager: full blocks are hashed by content and shared between sequences.
+
+Introduced in stage 07, beside stage 04's `BlockManager` (which it extends). A full block's key is
+a chained hash of its tokens and of every block before it, so a block is found only behind the
+same prefix. A hit is confirmed by the block's own tokens and by its parent link, never by the
+hash alone. Freed blocks stay findable until they are handed out for other content. It owns no
+tensors: sharing a block means two block tables hold the same id.
+
+    A = [11 12 13 14 | 21 22 23 24 | 31 32 33]     table [0, 1, 2]    hashed: 0, 1
+    B = [11 12 13 14 | 51 52 53 54 | 61 62 63 64 | 71]
+         '- h0 -> block 0 (A's; ref 2)            table [0, 3, 4, 5]  num_cached_tokens 4
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from typing import NamedTuple
+
+from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.kv_manager import blocks_for, grow_table
+from nanoserve.types import Sequence
+
+
+def chain_hash(parent: bytes, token_ids: tuple[int, ...]) -> bytes:
+    """blake2b(parent hash || token ids as 8-byte integers): a block's key behind its prefix."""
+    digest = hashlib.blake2b(parent, digest_size=16)
+    digest.update(b"".join(t.to_bytes(8, "little", signed=True) for t in token_ids))
+    return digest.digest()
+
+
+class CachedBlock(NamedTuple):
+    """What a hashed block holds: enough to confirm a hit without trusting the hash."""
+
+    key: bytes  # chain_hash(parent's key, token_ids)
+    token_ids: tuple[int, ...]
+    parent: tuple[int, int] | None  # (block id, version) of the block before it; None at the start
+    version: int  # changes whenever the block is hashed anew, so stale children cannot match
+
+
+class Admission(NamedTuple):
+    """can_allocate's answer: does the sequence fit, and how many leading blocks are cached."""
+
+    fits: bool
+    num_cached_blocks: int
+
+    def __bool__(self) -> bool:
+        return self.fits
+
+
+class PrefixBlockManager(BlockManager):
+    """BlockManager plus a content index of full blocks: share live ones, reclaim freed ones."""
+
+    def __init__(self, num_blocks: int, block_size: int, hash_fn: Callable = chain_hash, **kw):
+        super().__init__(num_blocks, block_size, **kw)
+        self.hash_fn = hash_fn  # tests inject a weak hash: hits must still be confirmed
+        self.hash_to_block_id: dict[bytes, int] = {}
+        self.cached: dict[int, CachedBlock] = {}  # block id -> what it holds, while findable
+        self.num_hashed: dict[int, int] = {}  # seq_id -> leading blocks of its table hashed
+        self.num_versions = 0
+        self.num_prompt_tokens = 0  # for the hit rate: every admitted prompt token ...
+        self.num_hit_tokens = 0  # ... and those found cached
+
+    @property
+    def hit_rate(self) -> float:
+        """Cached tokens / prompt tokens over every admission so far (0 before any)."""
+        return self.num_hit_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
+
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids holding seq's leading full blocks, confirmed; at least one token is left."""
+        block_ids, parent, parent_key = [], None, b""
+        max_blocks = (len(seq) - 1) // self.block_size  # a fully cached prompt computes its last
+        for i in range(max_blocks):
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            key = self.hash_fn(parent_key, tokens)
+            block_id = self.hash_to_block_id.get(key)
+            entry = self.cached.get(block_id)
+            if entry is None or entry.token_ids != tokens or entry.parent != parent:
+                break  # no entry, a collision, or a block whose prefix was repurposed
+            block_ids.append(block_id)
+            parent, parent_key = (block_id, entry.version), key
+        return block_ids
+
+    def can_allocate(self, seq: Sequence) -> Admission:
+        """Fits when the free blocks cover the uncached blocks plus the freed hits reclaimed."""
+        hits = self.cached_prefix(seq)
+        reclaimed = sum(1 for b in hits if self.ref_counts[b] == 0)  # they come off the free list
+        need = blocks_for(len(seq), self.block_size) - len(hits) + reclaimed
+        return Admission(self.num_free_blocks >= need, len(hits))
+
+    def allocate(self, seq: Sequence) -> None:
+        """Share or reclaim the cached prefix, pull fresh blocks for the rest (all-or-nothing)."""
+        hits = self.cached_prefix(seq)
+        if not self.can_allocate(seq):
+            raise ValueError(f"sequence {seq.seq_id} does not fit; ask can_allocate first")
+        table = self.table_cls(self.allocator, self.block_size)
+        for block_id in hits:
+            if self.ref_counts[block_id] == 0:  # freed but still holding this prefix
+                self.allocator.take(block_id)
+        table.adopt(hits)
+        self._hold(hits)
+        fresh = grow_table(table, len(seq))
+        for block_id in fresh:  # handed out for new content: its old entry is stale
+            self._forget(block_id)
+        self._hold(fresh)
+        self.tables[seq.seq_id] = table
+        self.num_hashed[seq.seq_id] = len(hits)
+        seq.block_table = table.block_ids
+        seq.num_cached_tokens = len(hits) * self.block_size
+        self.num_prompt_tokens += len(seq)
+        self.num_hit_tokens += seq.num_cached_tokens
+
+    def may_append(self, seq: Sequence) -> None:
+        """Grow as stage 04 does; a block pulled for the new token drops any stale entry."""
+        table = self.tables[seq.seq_id]
+        fresh = grow_table(table, len(seq))
+        for block_id in fresh:
+            self._forget(block_id)
+        self._hold(fresh)
+        seq.block_table = table.block_ids
+
+    def hash_blocks(self, seq: Sequence) -> None:
+        """Index every block of seq that is full of computed K/V and not yet hashed."""
+        table, bs = self.tables[seq.seq_id], self.block_size
+        start, end = self.num_hashed[seq.seq_id], seq.num_cached_tokens // bs
+        parent = None
+        if start > 0:
+            prev_id = table.block_ids[start - 1]
+            parent = (prev_id, self.cached[prev_id].version)
+        for i in range(start, end):
+            block_id = table.block_ids[i]
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            parent_key = self.cached[parent[0]].key if parent else b""
+            self.num_versions += 1
+            entry = CachedBlock(self.hash_fn(parent_key, tokens), tokens, parent, self.num_versions)
+            self.cached[block_id] = entry
+            self.hash_to_block_id.setdefault(entry.key, block_id)  # first holder stays findable
+            parent = (block_id, entry.version)
+        self.num_hashed[seq.seq_id] = max(start, end)
+
+    def deallocate(self, seq: Sequence) -> None:
+        """Drop seq's hold, last block first; freed blocks stay findable by their hash."""
+        block_ids = self.tables.pop(seq.seq_id).release()
+        del self.num_hashed[seq.seq_id]
+        freed = []
+        for block_id in reversed(block_ids):
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] == 0:
+                freed.append(block_id)
+        self.allocator.free(freed)
+        seq.block_table = []
+        seq.num_cached_tokens = 0
+
+    def _forget(self, block_id: int) -> None:
+        """Remove a block's content entry (it is about to hold something else)."""
+        entry = self.cached.pop(block_id, None)
+        if entry is not None and self.hash_to_block_id.get(entry.key) == block_id:
+            del self.hash_to_block_id[entry.key]
+
+    def check_invariants(self) -> None:
+        """Stage 04's books, plus: every index entry points at a block that holds that key."""
+        super().check_invariants()
+        for key, block_id in self.hash_to_block_id.items():
+            assert self.cached[block_id].key == key, f"stale index entry for block {block_id}"
+        for seq_id, table in self.tables.items():
+            assert self.num_hashed[seq_id] <= len(table.block_ids), seq_id
