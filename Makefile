@@ -35,6 +35,7 @@ lint: $(VENV)/.dev-deps
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python tools/import_cycles.py
 
+# The build also executes the notebooks (mkdocs-jupyter) to show their figures on the site.
 docs: $(VENV)/.dev-deps
 	$(BIN)/mkdocs build --strict -q -d $(VENV)/site
 

@@ -20,19 +20,43 @@
 # block **ids** move: the block manager hands them to sequences one page at a time, takes them
 # back when a sequence finishes or is preempted, and hands them to the next sequence.
 #
-# This notebook runs the **live** stage-04 engine on a tiny random model and, after every
-# `engine.step()`, draws the pool as one character per block: the letter of the request that
-# holds it, or `.` when it is free. Nothing is scripted: the pictures are read from each running
-# sequence's `block_table`, so if you plug in your own pieces (next cell), they draw your code.
+# This notebook runs the **live** stage-04 engine on a tiny random model. The engine reports
+# every step it runs to a callback, `engine.on_step`, as a `StepRecord`: the batch it scheduled
+# (which sequences, prefill or decode), the inputs the cache prepared for the model (`slot_mapping`,
+# `block_tables`, ...) and how many sequences it preempted while scheduling. From those records
+# the notebook draws the pool as a steps x blocks map, coloured by the request holding each block.
+# Nothing is scripted or guessed: if you plug in your own pieces (next cell), it draws your code.
+# The docs site shows this notebook as the reference engine draws it, run when the site was
+# built; to draw yours, open `notebooks/04_paged_pool.py` in Jupyter (jupytext opens it as a
+# notebook) and set `IMPL`.
+
+# %% tags=["hide-input"]
+# Progress bars (saving the tiny checkpoint draws one) are only noise on a rendered page, and
+# tqdm warns at import when the kernel has no ipywidgets.
+import os
+import warnings
+
+os.environ["TQDM_DISABLE"] = "1"
+warnings.filterwarnings("ignore", message="IProgress not found")
+
+# Figures at twice the pixels, shown at their own size: sharp on high-density screens.
+# %config InlineBackend.figure_format = "retina"
 
 # %%
+import itertools
 import random
 import tempfile
+from typing import NamedTuple
 
-import torch
-
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib import patheffects
+from matplotlib.colors import to_rgb
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
 
 from nanoserve import LLM, SamplingParams, grading
+from nanoserve.engine.trace import StepRecord
 from nanoserve.testing import save_tiny_model
 
 # What to run: "ref" (the reference in src/nanoserve), "starter" (the stage's starter.py), a path
@@ -104,52 +128,62 @@ for name, (arrival, prompt_len, max_tokens) in WORKLOAD.items():
     )
 
 # %% [markdown]
-# ## Drawing the pool
+# ## Recording every step
 #
-# One character per physical block, in block-id order, in groups of eight:
-# `AAAB BB..` means blocks 0-2 belong to A, 3-5 to B, 6-7 are free.
+# The engine calls `on_step(record)` once per step, after the model ran and before the requests
+# that finished in it let go of their blocks. So a record shows the pool *during* the step: what
+# the scheduler had just decided (new blocks, preemptions) and what the model read and wrote.
+#
+# `Sequence` objects keep changing after the step, so the callback copies what the pictures need
+# into a `Snapshot`: which blocks every running request holds (the sequences the step ran and
+# the ones that sat it out), which blocks the step wrote K/V into (`slot_mapping // block_size`),
+# and the record's own facts: step number, prefill or decode, the batch, `num_preempted`.
 
 
 # %%
-def owners(engine) -> dict[int, str]:
-    """block id -> the name of the running request that holds it."""
-    return {b: NAMES[seq.seq_id] for seq in engine.scheduler.running for b in seq.block_table}
+class Snapshot(NamedTuple):
+    """The pool during one step, copied out of the engine's StepRecord."""
+
+    step: int
+    is_prefill: bool
+    ran: list[str]  # the batch's requests, in batch order
+    num_new_tokens: dict[str, int]  # request -> tokens computed for it in this step
+    num_preempted: int  # preempted while scheduling this step
+    owner: dict[int, str]  # block id -> request holding it
+    written: set[int]  # blocks that received K/V in this step
+    num_free: int
 
 
-def pool_row(owner: dict[int, str]) -> str:
-    """The pool as one character per block, grouped by eight."""
-    cells = "".join(owner.get(b, ".") for b in range(NUM_BLOCKS))
-    return " ".join(cells[i : i + 8] for i in range(0, NUM_BLOCKS, 8))
-
-
-def tables(engine) -> str:
-    """Each running request's length and block table."""
-    rows = [
-        f"    {NAMES[s.seq_id]}  len {len(s):2d}  blocks {s.block_table}"
-        for s in engine.scheduler.running
-    ]
-    return "\n".join(rows)
-
-
-# %% [markdown]
-# ## Running it
-#
-# Each line is one step: what kind of step it was and which requests ran in it, the pool after
-# the step, the free count, and what happened to memory. Below a line, `tables` shows the block
-# tables at the moments worth looking at: the first prefill, each preemption, the first reuse.
-
-# %%
 NAMES: dict[int, str] = {}  # seq_id -> request name
 SEQS = {}  # request name -> its Sequence
-last_holder: dict[int, str] = {}  # block id -> the last request seen holding it
-finished_names: set[str] = set()
-reuses_after_finish = []  # (step, block, old holder, new holder)
-preempted_events = []  # (step, request name)
-free_counts = []  # free blocks after each step
+snapshots: list[Snapshot] = []
+finished_at: dict[str, int] = {}  # request -> the step it finished in
+
+
+def on_step(record: StepRecord) -> None:
+    """Copy one step out of the engine's record before the sequences move on."""
+    md = record.inputs.metadata
+    q = md.host.cu_seqlens_q  # sequence i computed q[i + 1] - q[i] new tokens
+    slots = [s for s in md.slot_mapping.tolist() if s >= 0]
+    running = engine.scheduler.running  # holders of blocks: the batch and, in a prefill, the rest
+    snapshots.append(
+        Snapshot(
+            step=record.step,
+            is_prefill=record.batch.is_prefill,
+            ran=[NAMES[seq.seq_id] for seq in record.batch.seqs],
+            num_new_tokens={
+                NAMES[seq.seq_id]: q[i + 1] - q[i] for i, seq in enumerate(record.batch.seqs)
+            },
+            num_preempted=record.num_preempted,
+            owner={b: NAMES[seq.seq_id] for seq in running for b in seq.block_table},
+            written={slot // BLOCK_SIZE for slot in slots},
+            num_free=engine.manager.num_free_blocks,
+        )
+    )
 
 
 def arrive(step: int) -> None:
-    """Queue the requests whose arrival is this step."""
+    """Queue the requests that arrive before this step."""
     for name, (arrival, _, max_tokens) in WORKLOAD.items():
         if arrival == step:
             params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -157,66 +191,229 @@ def arrive(step: int) -> None:
             NAMES[seq.seq_id], SEQS[name] = name, seq
 
 
-def gains(step: int, before: dict[int, str], now: dict[int, str]) -> list[str]:
-    """Blocks each request took this step, and whose they were last (if anyone's)."""
-    taken: dict[str, dict[str, list[int]]] = {}  # new holder -> {old holder or "": blocks}
-    for block, name in sorted(now.items()):
-        if before.get(block) != name:
-            old = last_holder.get(block, "")
-            taken.setdefault(name, {}).setdefault(old, []).append(block)
-            if old in finished_names:
-                reuses_after_finish.append((step, block, old, name))
-    events = []
-    for name, by_old in taken.items():
-        reused = [f"{' '.join(map(str, bs))} from {old}" for old, bs in by_old.items() if old]
-        count = sum(len(bs) for bs in by_old.values())
-        events.append(f"{name}+{count}" + (f" ({'; '.join(reused)})" if reused else ""))
-    return events
-
-
-def run_step(step: int) -> None:
-    """One engine step, then its line: kind, who ran, the pool, free blocks, memory events."""
-    before = owners(engine)
-    lengths = {name: len(seq) for name, seq in SEQS.items()}
-    preemptions = {name: seq.num_preemptions for name, seq in SEQS.items()}
-
-    finished = engine.step()
+engine.on_step = on_step
+arrive(1)
+while engine.has_unfinished():
+    for seq in engine.step():
+        finished_at[NAMES[seq.seq_id]] = engine.num_steps
     engine.manager.check_invariants()
+    arrive(engine.num_steps + 1)
+assert set(SEQS) == set(WORKLOAD), "the engine ran dry before every request had arrived"
+print(f"{len(snapshots)} steps recorded")
 
-    ran = [name for name, seq in SEQS.items() if len(seq) > lengths[name]]
-    held_before = {name: sum(1 for n in before.values() if n == name) for name in SEQS}
-    kind = "prefill" if any(held_before[n] == 0 for n in ran) else "decode"
-    now = owners(engine)
+# %% [markdown]
+# ## Preemptions and frees, from consecutive records
+#
+# A record says *how many* sequences were preempted while scheduling its step; which ones it
+# was follows from two consecutive snapshots: a request that held blocks in step `s - 1`,
+# holds none in step `s` and did not finish in step `s - 1` lost them to preemption. Frees on
+# finish come from `engine.step()`, which returns the requests that finished in it; their blocks
+# go back to the free list before the next step is scheduled.
+
+
+# %%
+def held(snapshot: Snapshot, name: str) -> list[int]:
+    """The blocks one request holds during a step."""
+    return sorted(b for b, n in snapshot.owner.items() if n == name)
+
+
+preempted_at: dict[int, list[str]] = {}  # step -> requests preempted while scheduling it
+for before, now in itertools.pairwise(snapshots):
+    lost = {n for n in before.owner.values() if n not in now.owner.values()}
+    preempted_at[now.step] = sorted(n for n in lost if finished_at.get(n) != before.step)
+    assert len(preempted_at[now.step]) == now.num_preempted, f"step {now.step}"
+assert sum(s.num_preempted for s in snapshots) == engine.scheduler.num_preemptions
+
+# %% [markdown]
+# ## The pool, step by step
+#
+# One row per step, one column per physical block, coloured by the request holding the block
+# during that step. A full colour means the request ran in the step; a pale one means it held
+# its blocks but sat the step out (a prefill step runs only the requests it admits). A dot marks
+# a block that received K/V in the step: every block of an admitted prompt in a prefill, one
+# block per request in a decode. A mark in a request's last row on its blocks says how it let go
+# of them: `x` preempted (the blocks were taken back while the next step was scheduled, and the
+# request will be prefilled again), a circle finished (the blocks went back after the step). The
+# bars on the right count the free blocks. (The drawing code, plain matplotlib, is in the next
+# cell of the notebook; the docs site hides it.)
+
+# %% tags=["hide-input"]
+# Okabe-Ito colours, distinguishable with the common colour-vision deficiencies.
+COLOURS = ["#0072B2", "#E69F00", "#009E73", "#CC79A7", "#F0E442", "#56B4E9", "#D55E00"]
+REQUEST_COLOUR = {name: COLOURS[i % len(COLOURS)] for i, name in enumerate(WORKLOAD)}
+FREE_COLOUR = "#f2f2f2"
+HALO = [patheffects.withStroke(linewidth=3, foreground="white")]  # marks stay visible on dark
+MARK_STYLES = {  # plot() keywords, shared by the marks and their legend entries
+    "written": {"marker": ".", "markersize": 6, "label": "K/V written in this step"},
+    "preempted": {
+        "marker": "x",
+        "markersize": 9,
+        "markeredgewidth": 2.2,
+        "label": "preempted: blocks taken back before the next step",
+    },
+    "finished": {
+        "marker": "o",
+        "markersize": 9,
+        "markeredgewidth": 1.6,
+        "markerfacecolor": "none",
+        "label": "finished: blocks returned after this step",
+    },
+}
+plt.rcParams["figure.dpi"] = 100
+
+
+def pale(rgb: np.ndarray) -> np.ndarray:
+    """A colour washed toward white: the holder sat this step out."""
+    return 0.25 * rgb + 0.75
+
+
+def occupancy_image(snapshots: list[Snapshot]) -> np.ndarray:
+    """(steps, blocks, RGB): the holder's colour, paled where it did not run in the step."""
+    image = np.empty((len(snapshots), NUM_BLOCKS, 3))
+    for row, snap in enumerate(snapshots):
+        for block in range(NUM_BLOCKS):
+            name = snap.owner.get(block)
+            if name is None:
+                image[row, block] = to_rgb(FREE_COLOUR)
+                continue
+            rgb = np.array(to_rgb(REQUEST_COLOUR[name]))
+            image[row, block] = rgb if name in snap.ran else pale(rgb)
+    return image
+
+
+def mark_cells(snapshots: list[Snapshot]) -> dict[str, list[tuple[int, int]]]:
+    """(row, block) cells to mark: K/V written, and blocks let go by preemption or finishing."""
+    cells = {"written": [], "preempted": [], "finished": []}
+    for row, snap in enumerate(snapshots):
+        cells["written"] += [(row, b) for b in snap.written]
+        for name in preempted_at.get(snap.step + 1, []):
+            cells["preempted"] += [(row, b) for b in held(snap, name)]
+        for name in (n for n, step in finished_at.items() if step == snap.step):
+            cells["finished"] += [(row, b) for b in held(snap, name)]
+    return cells
+
+
+def step_label(snap: Snapshot) -> str:
+    """`13 decode  ABCD`: the step, its kind and its batch, for the y axis."""
+    kind = "prefill" if snap.is_prefill else "decode"
+    return f"{snap.step:2d} {kind:<7} {''.join(snap.ran):<5}"
+
+
+def draw_pool_map(ax, snapshots: list[Snapshot]) -> None:
+    """One row per step, one column per block, with the marks on top."""
+    num_steps = len(snapshots)
+    ax.imshow(occupancy_image(snapshots), aspect="auto", interpolation="nearest")
+    ax.set_xticks(np.arange(-0.5, NUM_BLOCKS), minor=True)
+    ax.set_yticks(np.arange(-0.5, num_steps), minor=True)
+    ax.grid(which="minor", color="white", linewidth=1)
+    ax.tick_params(which="minor", length=0)
+    ax.set_xticks(range(NUM_BLOCKS))
+    ax.set_yticks(range(num_steps), [step_label(s) for s in snapshots], family="monospace")
+    ax.tick_params(axis="y", labelsize=8)
+    ax.xaxis.tick_top()
+    ax.xaxis.set_label_position("top")
+    ax.set_xlabel("physical block id")
+    ax.text(-0.7, -0.9, "step kind    ran", family="monospace", fontsize=8, ha="right")
+    for kind, cells in mark_cells(snapshots).items():
+        if cells:
+            rows, cols = zip(*cells)
+            ax.plot(cols, rows, linestyle="", color="black", path_effects=HALO, **MARK_STYLES[kind])
+
+
+def draw_free_counts(ax, snapshots: list[Snapshot]) -> None:
+    """The free blocks during each step, as bars beside the map."""
+    counts = [s.num_free for s in snapshots]
+    ax.barh(range(len(counts)), counts, color="#999999", height=0.7)
+    for row, count in enumerate(counts):
+        ax.text(count + 0.4, row, str(count), va="center", fontsize=7)
+    ax.set_xlim(0, NUM_BLOCKS)
+    ax.xaxis.tick_top()
+    ax.xaxis.set_label_position("top")
+    ax.set_xlabel("free blocks")
+    ax.tick_params(axis="y", length=0)
+    for side in ("right", "bottom"):
+        ax.spines[side].set_visible(False)
+
+
+def draw_occupancy(snapshots: list[Snapshot]) -> None:
+    """The steps x blocks map and the free counts, with one legend under both."""
+    fig, (ax, ax_free) = plt.subplots(
+        1,
+        2,
+        figsize=(10.5, 0.25 * len(snapshots) + 2.2),
+        sharey=True,
+        layout="constrained",
+        gridspec_kw={"width_ratios": [NUM_BLOCKS, 5]},
+    )
+    draw_pool_map(ax, snapshots)
+    draw_free_counts(ax_free, snapshots)
+    handles = [Patch(color=REQUEST_COLOUR[n], label=f"request {n}") for n in WORKLOAD]
+    handles.append(Patch(facecolor=FREE_COLOUR, edgecolor="#cccccc", label="free block"))
+    handles.append(
+        Patch(
+            facecolor=pale(np.array(to_rgb(COLOURS[0]))),
+            label="pale: holds blocks, sat the step out",
+        )
+    )
+    handles += [Line2D([], [], linestyle="", color="black", **st) for st in MARK_STYLES.values()]
+    fig.legend(handles=handles, loc="outside lower center", ncol=4, fontsize=9, frameon=False)
+    plt.show()
+
+
+# %%
+draw_occupancy(snapshots)
+
+# %% [markdown]
+# ## The same run as text
+#
+# One line per step: the kind, who ran, the pool during the step as one character per block
+# (a request's letter, or `.` when free), the free count, and what happened to memory. `+n`
+# counts blocks a request took in the step; a reuse names the finished request whose block it
+# took.
+
+
+# %%
+def pool_row(owner: dict[int, str]) -> str:
+    """The pool as one character per block, grouped by eight."""
+    cells = "".join(owner.get(b, ".") for b in range(NUM_BLOCKS))
+    return " ".join(cells[i : i + 8] for i in range(0, NUM_BLOCKS, 8))
+
+
+last_holder: dict[int, str] = {}  # block id -> the last request seen holding it
+reuses_after_finish = []  # (step, block, old holder, new holder)
+preempted_events = []  # (step, request name)
+free_counts = []  # free blocks during each step
+previous: dict[int, str] = {}
+for snap in snapshots:
     events = []
-    for name, seq in SEQS.items():
-        if seq.num_preemptions > preemptions[name]:
-            events.append(f"preempt {name} (-{held_before[name]})")
-            preempted_events.append((step, name))
-    for seq in finished:
-        name = NAMES[seq.seq_id]
-        finished_names.add(name)
-        num_freed = -(-(len(seq) - 1) // BLOCK_SIZE)  # it held blocks for all but its last token
-        events.append(f"finish {name} (-{num_freed})")
-    if kind == "prefill":
-        again = [n for n in ran if SEQS[n].num_preemptions > 0 and held_before[n] == 0]
-        events += [f"{n} recomputes {lengths[n]} tokens" for n in again]
-    events += gains(step, before, now)
-    last_holder.update(now)
-    free_counts.append(engine.manager.num_free_blocks)
-
-    free = f"free {engine.manager.num_free_blocks:2d}"
-    print(f"{step:2d} {kind:<7} {''.join(ran):<6}|{pool_row(now)}| {free}  " + ", ".join(events))
-    first_reuse = reuses_after_finish and reuses_after_finish[0][0] == step
-    if step == 1 or first_reuse or any(e.startswith("preempt") for e in events):
-        print(tables(engine))
-
-
-step = 0
-while engine.has_unfinished() or any(arrival > step for arrival, _, _ in WORKLOAD.values()):
-    step += 1
-    arrive(step)
-    if engine.has_unfinished():
-        run_step(step)
+    for name in preempted_at.get(snap.step, []):
+        preempted_events.append((snap.step, name))
+        lost = sum(1 for n in previous.values() if n == name)
+        events.append(f"preempt {name} (-{lost})")
+    if snap.is_prefill:
+        again = [n for n in snap.ran if any(n == name for _, name in preempted_events)]
+        events += [f"{n} recomputes {snap.num_new_tokens[n]} tokens" for n in again]
+    taken: dict[str, list[int]] = {}
+    for block, name in sorted(snap.owner.items()):
+        if previous.get(block) != name:
+            taken.setdefault(name, []).append(block)
+            old = last_holder.get(block)
+            if old is not None and finished_at[old] < snap.step:
+                reuses_after_finish.append((snap.step, block, old, name))
+    for name, blocks in taken.items():
+        reused = [f"{b} from {last_holder[b]}" for b in blocks if b in last_holder]
+        events.append(f"{name}+{len(blocks)}" + (f" ({', '.join(reused)})" if reused else ""))
+    for name, step in finished_at.items():
+        if step == snap.step:
+            events.append(f"finish {name} (-{len(held(snap, name))})")
+    last_holder.update(snap.owner)
+    free_counts.append(snap.num_free)
+    kind = "prefill" if snap.is_prefill else "decode"
+    print(
+        f"{snap.step:2d} {kind:<7} {''.join(snap.ran):<6}|{pool_row(snap.owner)}| "
+        f"free {snap.num_free:2d}  " + ", ".join(events)
+    )
+    previous = {b: n for b, n in snap.owner.items() if finished_at.get(n) != snap.step}
 
 # %% [markdown]
 # Things to find in the trace above:
