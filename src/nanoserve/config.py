@@ -26,6 +26,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # stage 03+: pool size (default: what fits the budget)
     kv_cache_bytes: int | None = None  # stage 01+: CPU budget for the cache (default 1 GiB)
     gpu_memory_utilization: float = 0.9  # stage 01+: share of GPU memory the engine may use
+    enable_chunked_prefill: bool = False  # stage 07+: prefill long prompts over several steps
     attention_backend: str = "auto"  # stage 04+: "auto" picks per device; the engine's backend
     # selector checks the name (it lives above config), so here it need only be a non-empty str
 
@@ -49,10 +50,17 @@ class EngineConfig:
             'a non-empty backend name such as "auto"',
         )
         _require(
-            self.max_num_batched_tokens >= self.max_model_len,
+            isinstance(self.enable_chunked_prefill, bool),
+            "enable_chunked_prefill",
+            self.enable_chunked_prefill,
+            "a bool",
+        )
+        _require(
+            self.enable_chunked_prefill or self.max_num_batched_tokens >= self.max_model_len,
             "max_num_batched_tokens",
             self.max_num_batched_tokens,
-            f">= max_model_len ({self.max_model_len}), so any admitted prompt fits one batch",
+            f">= max_model_len ({self.max_model_len}), so any admitted prompt fits one batch "
+            "(or enable_chunked_prefill, which prefills a long prompt over several steps)",
         )
 
     def _require_count(self, name: str, optional: bool) -> None:

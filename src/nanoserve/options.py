@@ -11,7 +11,17 @@ from dataclasses import fields
 
 from nanoserve.config import EngineConfig
 
-FLAG_TYPES = {"int": int, "int | None": int, "float": float, "str": str}  # field annotation -> type
+
+def flag_bool(text: str) -> bool:
+    """argparse type: true/false (also 1/0, yes/no)."""
+    lowered = text.lower()
+    if lowered not in ("true", "false", "1", "0", "yes", "no"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return lowered in ("true", "1", "yes")
+
+
+# field annotation -> the flag's type
+FLAG_TYPES = {"int": int, "int | None": int, "float": float, "str": str, "bool": flag_bool}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

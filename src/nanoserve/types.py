@@ -43,6 +43,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.num_cached_tokens = 0  # tokens whose K/V is already stored
+        self.num_scheduled_tokens = 0  # tokens this step computes (a chunk of a long prefill)
         self.slab_id: int | None = None  # stage 01: the contiguous slab this sequence owns
         self.block_table: list[int] = []  # stage 03+: physical block ids, in logical order
         self.num_preemptions = 0

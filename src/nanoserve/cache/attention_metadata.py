@@ -24,23 +24,32 @@ def slots_for(table: list[int], start: int, end: int, block_size: int) -> list[i
 
 def pack_step(seqs: list[Sequence], tables: list[list[int]], block_size: int, device, *,
               is_prefill: bool, from_start: bool = False) -> StepInputs:  # fmt: skip
-    """Each sequence's uncached tokens (all of them when from_start) on one axis, no padding.
+    """Each sequence's tokens of this step (all of them when from_start) on one axis, no padding.
 
-    Prefill packs the whole uncached prompt, decode the one newest token: both are
-    `token_ids[num_cached_tokens:]`. tables[i] is where sequence i's K/V lives, in blocks of
+    Prefill packs the uncached prompt, decode the one newest token: both are
+    `token_ids[num_cached_tokens:]`, cut at `num_scheduled_tokens` when a long prompt is
+    prefilled in chunks (0 means "all"). tables[i] is where sequence i's K/V lives, in blocks of
     block_size tokens (a stage-01 slab is one block of max_model_len tokens).
     """
-    input_ids, positions, slot_mapping = [], [], []
+    input_ids, positions, slot_mapping, context_lens = [], [], [], []
     cu_seqlens_q, cu_seqlens_k = [0], [0]
     for seq, table in zip(seqs, tables):
-        start, end = (0 if from_start else seq.num_cached_tokens), len(seq)
+        start, end = (0 if from_start else seq.num_cached_tokens), chunk_end(seq)
         input_ids.extend(seq.token_ids[start:end])
         positions.extend(range(start, end))
         slot_mapping.extend(slots_for(table, start, end, block_size))
         cu_seqlens_q.append(cu_seqlens_q[-1] + end - start)
         cu_seqlens_k.append(cu_seqlens_k[-1] + end)
+        context_lens.append(end)
     return step_inputs_from_lists(is_prefill, input_ids, positions, slot_mapping, cu_seqlens_q,
-                                  cu_seqlens_k, [len(s) for s in seqs], tables, device)  # fmt: skip
+                                  cu_seqlens_k, context_lens, tables, device)  # fmt: skip
+
+
+def chunk_end(seq: Sequence) -> int:
+    """Where this step's tokens of seq end: len(seq), or earlier for a prefill chunk."""
+    if seq.num_scheduled_tokens:
+        return min(len(seq), seq.num_cached_tokens + seq.num_scheduled_tokens)
+    return len(seq)
 
 
 def prepare_prefill(seqs: list[Sequence], block_size: int, device) -> StepInputs:

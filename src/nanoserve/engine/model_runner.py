@@ -20,6 +20,11 @@ from nanoserve.sampling import Sampler, SamplingParams
 from nanoserve.types import ModelSpec, ScheduledBatch, Sequence, StepInputs
 
 
+def completes_prompt(seq: Sequence) -> bool:
+    """True when this step computes seq's newest token (not an earlier chunk of its prompt)."""
+    return seq.num_cached_tokens + seq.num_scheduled_tokens >= len(seq)
+
+
 class ModelRunner:
     """Build the model; then per step: prepare, forward, sample."""
 
@@ -39,14 +44,24 @@ class ModelRunner:
         self.cache, self.attention = cache, attention
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int]:
-        """The next token id of every sequence in the batch."""
+    def run(self, batch: ScheduledBatch) -> list[int | None]:
+        """The next token id of every sequence in the batch (None: a prefill chunk, no sample).
+
+        Only sequences whose last token this step computes are sampled, so a seeded request
+        draws the same numbers whether its prompt was prefilled whole or in chunks.
+        """
         inputs = self.cache.prepare(batch)
         self.last_inputs = inputs
         logits = self.forward(inputs, self.attention, len(batch.seqs))
-        params = [seq.params for seq in batch.seqs]
-        generators = [seq.generator for seq in batch.seqs]
-        return self.sampler(logits, params, generators)
+        rows = [i for i, seq in enumerate(batch.seqs) if completes_prompt(seq)]
+        seqs = [batch.seqs[i] for i in rows]
+        if len(rows) < len(batch.seqs):
+            logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+        sampled = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        token_ids: list[int | None] = [None] * len(batch.seqs)
+        for i, token_id in zip(rows, sampled):
+            token_ids[i] = token_id
+        return token_ids
 
     def forward(self, inputs: StepInputs, attention, num_seqs: int) -> torch.Tensor:
         """Logits (num_seqs, vocab) at the last packed row of each of the first num_seqs."""

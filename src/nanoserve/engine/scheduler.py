@@ -41,22 +41,30 @@ class Scheduler:
         return ScheduledBatch(self._schedule_decode(), is_prefill=False)
 
     def _schedule_prefill(self) -> list[Sequence]:
-        scheduled, num_batched_tokens = [], 0
-        while self.waiting and len(scheduled) < self.config.max_num_seqs:
+        """Chunks of prefills in progress first, then newly admitted sequences, within budget."""
+        budget = self.config.max_num_batched_tokens
+        scheduled = [seq for seq in self.running if is_prefilling(seq)]  # chunked, unfinished
+        for seq in scheduled:
+            budget -= self._schedule_chunk(seq, budget)
+        while self.waiting and len(scheduled) < self.config.max_num_seqs and budget > 0:
             seq = self.waiting[0]
-            num_new_tokens = len(seq) - seq.num_cached_tokens
-            if num_batched_tokens + num_new_tokens > self.config.max_num_batched_tokens:
-                break
+            if not self.config.enable_chunked_prefill and len(seq) > budget:
+                break  # whole prompts only: it waits for the next step's budget
             if not self.manager.can_allocate(seq):
                 break
-            self.manager.allocate(seq)
-            # recounted after allocate: from stage 07 a cached prefix shrinks what is computed
-            num_batched_tokens += len(seq) - seq.num_cached_tokens
+            self.manager.allocate(seq)  # from stage 07 a cached prefix sets num_cached_tokens
+            budget -= self._schedule_chunk(seq, budget)
             seq.status = SequenceStatus.RUNNING
             self.waiting.popleft()
             self.running.append(seq)
             scheduled.append(seq)
         return scheduled
+
+    @staticmethod
+    def _schedule_chunk(seq: Sequence, budget: int) -> int:
+        """Schedule as many of seq's uncomputed tokens as the budget allows; returns how many."""
+        seq.num_scheduled_tokens = min(len(seq) - seq.num_cached_tokens, budget)
+        return seq.num_scheduled_tokens
 
     def _schedule_decode(self) -> list[Sequence]:
         scheduled = []
@@ -70,6 +78,7 @@ class Scheduler:
                     break
             else:
                 self.manager.may_append(seq)
+                seq.num_scheduled_tokens = 1
                 scheduled.append(seq)
         self.running.extendleft(reversed(scheduled))
         return scheduled
@@ -109,13 +118,20 @@ class Scheduler:
             self.waiting.remove(seq)  # a waiting sequence holds no memory
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
 
-    def postprocess(self, batch: ScheduledBatch, token_ids: list[int], eos_ids) -> list[Sequence]:
-        """Append each sampled token; finish and release sequences that are done."""
+    def postprocess(self, batch: ScheduledBatch, token_ids: list, eos_ids) -> list[Sequence]:
+        """Append each sampled token; finish and release sequences that are done.
+
+        token_ids[i] is None for a sequence whose prefill chunk did not reach its last token:
+        it samples nothing yet and goes on prefilling next step.
+        """
         finished = []
         for seq, token_id in zip(batch.seqs, token_ids):
-            seq.num_cached_tokens = len(seq)  # this step stored K/V for every token so far
+            seq.num_cached_tokens += seq.num_scheduled_tokens  # this step stored their K/V
+            seq.num_scheduled_tokens = 0
             if self.caches_prefixes:  # blocks that just filled become shareable
                 self.manager.hash_blocks(seq)
+            if token_id is None:
+                continue
             seq.append_token(token_id)
             reason = finish_reason(seq, token_id, eos_ids, self.config.max_model_len)
             if reason is not None:
@@ -124,6 +140,16 @@ class Scheduler:
                 self.running.remove(seq)
                 finished.append(seq)
         return finished
+
+
+def is_prefilling(seq: Sequence) -> bool:
+    """True for a running sequence whose prompt is only partly computed (chunked prefill).
+
+    A decode-ready sequence lacks K/V for exactly one token, its newest; one that lacks more is
+    still prefilling. (Lacking exactly one is also the last chunk of a prefill: a decode step
+    computes it the same way, and samples from it.)
+    """
+    return len(seq) - seq.num_cached_tokens > 1
 
 
 def finish_reason(seq: Sequence, token_id: int, eos_ids, max_model_len: int) -> str | None:
