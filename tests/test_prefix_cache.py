@@ -2,12 +2,19 @@
 entries never served, ref counts, and token equality with the unshared engine."""
 
 import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import invariant, precondition, rule
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.cache.attention_metadata import prepare_prefill
+from nanoserve.cache.attention_metadata import chunk_end, prepare_prefill
+from nanoserve.config import EngineConfig
 from nanoserve.engine.prefix_block_manager import PrefixBlockManager
+from nanoserve.engine.scheduler import Scheduler
 from nanoserve.testing import ENGINE_MAX_MODEL_LEN
 from nanoserve.types import Sequence
+
+from .test_scheduler import SchedulerMachine
 
 A = [11, 12, 13, 14, 21, 22, 23, 24, 31, 32, 33]
 B = [11, 12, 13, 14, 51, 52, 53, 54, 61, 62, 63, 64, 71]
@@ -174,3 +181,63 @@ def test_sharing_prefixes_gives_the_unshared_tokens(tiny_checkpoints, num_kv_blo
     assert shared_writes == [], "a block shared by two sequences was written"
     manager = llm.engine.manager
     assert manager.num_hit_tokens > 0 and manager.num_free_blocks == num_kv_blocks
+
+
+# ---- random traffic with shared prefixes, against a shadow of the KV pool ----
+
+
+class PrefixMachine(SchedulerMachine):
+    """Stage 04's state machine on a prefix-caching manager, with chunked prefill, plus a shadow
+    pool: each step "writes" its tokens into the slots the metadata names, and every token a
+    sequence counts as cached must sit in its slot, whether computed or found by hash."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=24,
+                                   block_size=4, enable_chunked_prefill=True)  # fmt: skip
+        self.manager = PrefixBlockManager(num_blocks=24, block_size=4)
+        self.scheduler = Scheduler(self.config, self.manager)
+        self.shadow: dict[int, int] = {}  # slot -> the token whose K/V it holds
+        self.prefixes = [[self.rng.randrange(100) for _ in range(12)] for _ in range(3)]
+
+    @rule(prefix=st.integers(0, 3), suffix_len=st.integers(0, 20), max_tokens=st.integers(1, 16))
+    def arrive_sharing(self, prefix, suffix_len, max_tokens):
+        head = self.prefixes[prefix][: self.rng.randrange(4, 13)] if prefix < 3 else []
+        tokens = head + [self.rng.randrange(100) for _ in range(suffix_len)] or [1]
+        seq = Sequence(tokens, SamplingParams(max_tokens=max_tokens))
+        self.scheduler.add(seq)
+        self.all.append(seq)
+
+    def write_shadow(self, batch) -> None:
+        for seq in batch.seqs:
+            for p in range(seq.num_cached_tokens, chunk_end(seq)):
+                block_id = seq.block_table[p // 4]
+                assert self.manager.ref_counts[block_id] == 1, "a shared block was written"
+                self.shadow[block_id * 4 + p % 4] = seq.token_ids[p]
+
+    @precondition(lambda self: not self.scheduler.is_finished())
+    @rule()
+    def step(self):
+        batch = self.scheduler.schedule()
+        assert batch.seqs, "work is pending but nothing was scheduled"
+        self.write_shadow(batch)
+        token_ids = [self.rng.randrange(10) for _ in batch.seqs]
+        for i, seq in enumerate(batch.seqs):  # a prefill chunk short of the end samples nothing
+            if seq.num_cached_tokens + seq.num_scheduled_tokens < len(seq):
+                token_ids[i] = None
+        self.finished += self.scheduler.postprocess(batch, token_ids, eos_ids=())
+
+    @invariant()
+    def every_cached_token_sits_in_its_slot(self):
+        for seq in self.scheduler.running:
+            for p in range(seq.num_cached_tokens):
+                slot = seq.block_table[p // 4] * 4 + p % 4
+                assert self.shadow.get(slot) == seq.token_ids[p], (seq.seq_id, p)
+
+    @invariant()
+    def bookkeeping_is_consistent(self):
+        self.manager.check_invariants()  # ref counts == table references, index entries valid
+
+
+TestPrefixMachine = PrefixMachine.TestCase
+TestPrefixMachine.settings = settings(max_examples=40, stateful_step_count=60, deadline=None)
