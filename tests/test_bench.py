@@ -137,3 +137,15 @@ def test_malformed_options_are_refused_by_the_parser_naming_the_option(argv, cap
     with pytest.raises(SystemExit):
         parse(*argv)
     assert f"argument {argv[0]}" in capsys.readouterr().err
+
+
+def test_a_shared_prefix_replaces_the_start_of_every_prompt_and_keeps_the_rest():
+    from nanoserve.bench.workload import with_shared_prefix
+
+    workload = make_workload(8, 200, 16)
+    shared = with_shared_prefix(workload, 50)
+    heads = {tuple(p[:50]) for p in shared.prompt_token_ids}
+    assert len(heads) == 1
+    for before, after in zip(workload.prompt_token_ids, shared.prompt_token_ids):
+        assert len(after) == len(before) and after[50:] == before[50:]
+    assert shared.max_tokens == workload.max_tokens

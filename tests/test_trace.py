@@ -40,3 +40,15 @@ def test_trace_of_the_block_table_engine_shows_tables_and_free_blocks(tiny_check
     lines = traced(llm, [list(range(1, 12))], max_tokens=2)
     assert "free blocks 5/8" in lines[0] and "blocks [0, 1, 2]" in lines[0]
     assert "slots [11]" in lines[1]
+
+
+def test_trace_marks_a_block_shared_by_two_sequences_with_its_holders(tiny_checkpoints):
+    from nanoserve.engine.prefix_block_manager import PrefixBlockManager
+
+    folder, _ = tiny_checkpoints["llama"]
+    llm = LLM(str(folder), stage=4, device="cpu", dtype="float64", block_size=4, max_model_len=32,
+              max_num_seqs=1, components={"BlockManager": PrefixBlockManager})  # fmt: skip
+    a = [11, 12, 13, 14, 21, 22, 23, 24, 31, 32, 33]  # the seed's prompts A and B
+    b = [11, 12, 13, 14, 51, 52, 53, 54, 61, 62, 63, 64, 71]
+    lines = traced(llm, [a, b], max_tokens=20)
+    assert any("blocks [0(x2), 3, 4, 5]" in line for line in lines)

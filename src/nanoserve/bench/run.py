@@ -19,6 +19,7 @@ from nanoserve.bench.workload import (
     make_workload,
     release_memory,
     timer,
+    with_shared_prefix,
 )
 from nanoserve.config import EngineConfig, engine_config_for
 from nanoserve.options import add_engine_args, engine_options
@@ -46,6 +47,13 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-output-len", type=positive_int, default=1024)
     p.add_argument("--first", type=positive_int, default=None, metavar="N",
                    help="time only the first N requests of the --num-seqs workload")  # fmt: skip
+    p.add_argument(
+        "--shared-prefix",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="every prompt starts with the same N tokens (prefix caching, stage 07)",
+    )
     p.add_argument("--model", default="smollm2", help="known name, file, folder, or preset")
     p.add_argument("--stage", type=stage_list, action="append", help="N, N,M, or repeated")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
@@ -121,15 +129,17 @@ def run_nanoserve(spec, model, stage: int, config: EngineConfig, workload: Workl
               for m in [WARMUP_MAX_TOKENS, *workload.max_tokens]]  # fmt: skip
     drive(engine, [workload.prompt_token_ids[0][:WARMUP_PROMPT_LEN]], params[:1])  # warm-up
     preemptions_before = engine.scheduler.num_preemptions
+    prefill_before = engine.num_prefill_tokens
     start = timer(device)
     seqs = drive(engine, workload.prompt_token_ids, params[1:])
     seconds = timer(device) - start
     preemptions = engine.scheduler.num_preemptions - preemptions_before
+    prefill_tokens = engine.num_prefill_tokens - prefill_before
     output_tokens = sum(seq.num_completion_tokens for seq in seqs)
     name = f"nanoserve stage {stage} ({engine.attention.name})"
     del engine, seqs
     release_memory(device)
-    return BenchResult(name, output_tokens, seconds, preemptions)
+    return BenchResult(name, output_tokens, seconds, preemptions, prefill_tokens=prefill_tokens)
 
 
 def describe(args, model, config: EngineConfig, workload: Workload) -> list[str]:
@@ -141,23 +151,26 @@ def describe(args, model, config: EngineConfig, workload: Workload) -> list[str]
     if device.type == "cuda":
         where = torch.cuda.get_device_name(device)
     lens, max_tokens = [len(p) for p in workload.prompt_token_ids], workload.max_tokens
+    shared = f", first {args.shared_prefix} tokens shared" if args.shared_prefix else ""
     return [f"device {where}, dtype {dtype}, model {args.model}",
             f"engine: max_num_seqs {config.max_num_seqs}, max_num_batched_tokens "
             f"{config.max_num_batched_tokens}, max_model_len {config.max_model_len}",
             f"workload: {len(lens)} requests, prompts {min(lens)}..{max(lens)} tokens "
             f"({sum(lens):,} in all), max_tokens {min(max_tokens)}..{max(max_tokens)} "
-            f"({sum(max_tokens):,} in all), temperature 0.6, ignore_eos"]  # fmt: skip
+            f"({sum(max_tokens):,} in all), temperature 0.6, ignore_eos{shared}"]  # fmt: skip
 
 
 def format_table(results: list[BenchResult]) -> list[str]:
     """One row per engine; the last column is throughput relative to the first row."""
     lines = [f"{'engine':<34} {'output tok':>10} {'seconds':>9} {'tok/s':>9} "
-             f"{'preempt':>8} {'vs first':>9}"]  # fmt: skip
+             f"{'preempt':>8} {'prefill tok':>11} {'vs first':>9}"]  # fmt: skip
     for r in results:
         preempt = "-" if r.preemptions is None else str(r.preemptions)
+        prefill = "-" if r.prefill_tokens is None else f"{r.prefill_tokens:,}"
         ratio = r.tokens_per_s / results[0].tokens_per_s
         lines.append(f"{r.engine:<34} {r.output_tokens:>10,} {r.seconds:>9.2f} "
-                     f"{r.tokens_per_s:>9.1f} {preempt:>8} {ratio:>8.2f}x")  # fmt: skip
+                     f"{r.tokens_per_s:>9.1f} {preempt:>8} {prefill:>11} "
+                     f"{ratio:>8.2f}x")  # fmt: skip
     return lines + [f"note: {r.note}" for r in results if r.note]
 
 
@@ -178,6 +191,8 @@ def run_bench(args) -> int:
     workload = make_workload(args.num_seqs, args.max_input_len, args.max_output_len)
     if args.first is not None:  # e.g. the first 64 of the full 256, like DESIGN's HF anchor
         workload = Workload(*(column[: args.first] for column in workload))
+    if args.shared_prefix is not None:
+        workload = with_shared_prefix(workload, args.shared_prefix)
     workload = workload.fold_ids(model.config.vocab_size)
     config = engine_config(args, model.config, workload)
     header = describe(args, model, config, workload)

@@ -40,6 +40,7 @@ class BenchResult(NamedTuple):
     seconds: float
     preemptions: int | None  # None for engines that do not report it
     note: str | None = None
+    prefill_tokens: int | None = None  # prompt tokens computed (fewer with a prefix cache)
 
     @property
     def tokens_per_s(self) -> float:
@@ -55,6 +56,18 @@ def make_workload(num_seqs=256, max_input_len=1024, max_output_len=1024, seed=0)
                for _ in range(num_seqs)]  # fmt: skip
     max_tokens = [rng.randint(low_out, max_output_len) for _ in range(num_seqs)]
     return Workload(prompts, max_tokens)
+
+
+def with_shared_prefix(workload: Workload, num_tokens: int, seed: int = 1) -> Workload:
+    """The same requests, each prompt's first num_tokens replaced by one common prefix.
+
+    Lengths do not change (a prompt shorter than the prefix becomes its start), and the prefix is
+    drawn from its own stream, so the rest of nano-vLLM's workload stays exactly as it was.
+    """
+    rng = random.Random(seed)
+    prefix = [rng.randint(0, TOKEN_ID_HIGH) for _ in range(num_tokens)]
+    prompts = [prefix[: len(p)] + p[num_tokens:] for p in workload.prompt_token_ids]
+    return workload._replace(prompt_token_ids=prompts)
 
 
 def timer(device) -> float:

@@ -62,6 +62,13 @@ class CountsBlocks(Protocol):
 
 
 @runtime_checkable
+class CountsRefs(Protocol):
+    """What `--trace` shows of a manager whose blocks can be shared: holders per block."""
+
+    ref_counts: list[int]
+
+
+@runtime_checkable
 class CountsSlabs(Protocol):
     """What `--trace` shows of a slab-based manager."""
 

@@ -33,6 +33,7 @@ class LLMEngine:
         self.vocab_size = runner.model.config.vocab_size
         self.on_step = None  # optional callback(StepRecord), e.g. the --trace printer
         self.num_steps = 0
+        self.num_prefill_tokens = 0  # prompt tokens computed (a cached prefix is not computed)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         """Validate and queue one request; raises ValueError and queues nothing if it is bad."""
@@ -72,6 +73,8 @@ class LLMEngine:
             self.scheduler.undo(batch)
             raise
         self.num_steps += 1
+        if batch.is_prefill:
+            self.num_prefill_tokens += sum(seq.num_scheduled_tokens for seq in batch.seqs)
         if self.on_step is not None:
             num_preempted = self.scheduler.num_preemptions - num_preempted_before
             self.on_step(StepRecord(self.num_steps, batch, self.runner.last_inputs, num_preempted))

@@ -1,8 +1,9 @@
 """`--trace`: one readable block per engine step, so a learner can watch memory move.
 
 Introduced in stage 04 (it works for every stage). It formats what the engine already decided:
-the batch, each sequence's block table (or slab), the slots written, free memory, preemptions.
-It changes nothing and is off unless asked for.
+the batch, each sequence's block table (or slab; from stage 07 a shared block shows its holder
+count, `0(x2)`), the slots written, free memory, preemptions. It changes nothing and is off
+unless asked for.
 
     step 7 decode  seqs 2  free blocks 5/12  preempted 0      (block_size 4)
       seq 4  len 13  blocks [0, 1, 2, 6]  slots [24]          position 12: block 6, offset 0
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from nanoserve.engine.kv_manager import CountsBlocks, CountsSlabs
+from nanoserve.engine.kv_manager import CountsBlocks, CountsRefs, CountsSlabs
 from nanoserve.types import ScheduledBatch, StepInputs
 
 
@@ -42,12 +43,20 @@ def slots_per_seq(record: StepRecord) -> list[list[int]]:
     return [slots[bounds[i] : bounds[i + 1]] for i in range(md.num_seqs)]
 
 
-def short(values: list[int], limit: int = 12) -> str:
+def short(values: list, limit: int = 12) -> str:
     """[a, b, ..., z] with the middle elided for long lists."""
     if len(values) <= limit:
-        return str(values)
+        return f"[{', '.join(map(str, values))}]"
     head, tail = values[: limit // 2], values[-2:]
     return f"[{', '.join(map(str, head))}, ... {', '.join(map(str, tail))}] ({len(values)})"
+
+
+def blocks_with_refs(block_ids: list[int], manager) -> str:
+    """A block table; a block another sequence also holds shows its holders: 0(x2)."""
+    if not isinstance(manager, CountsRefs):
+        return short(block_ids)
+    return short([f"{b}(x{manager.ref_counts[b]})" if manager.ref_counts[b] > 1 else b
+                  for b in block_ids])  # fmt: skip
 
 
 def format_step(record: StepRecord, manager) -> str:
@@ -58,7 +67,7 @@ def format_step(record: StepRecord, manager) -> str:
         f"preempted {record.num_preempted}"
     ]
     for seq, slots in zip(record.batch.seqs, slots_per_seq(record)):
-        where = f"blocks {short(seq.block_table)}" if seq.block_table else ""
+        where = f"blocks {blocks_with_refs(seq.block_table, manager)}" if seq.block_table else ""
         if seq.slab_id is not None:
             where = f"slab {seq.slab_id}"
         written = f"  slots {short(slots)}" if any(s >= 0 for s in slots) else ""
