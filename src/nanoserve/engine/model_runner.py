@@ -38,6 +38,7 @@ class ModelRunner:
         self.cache: KVCache | None = None  # bound by `bind` once the pool is sized
         self.attention: AttentionBackend | None = None
         self.last_inputs: StepInputs | None = None  # kept for --trace
+        self.graphs = None  # stage 08: DecodeGraphs, replayed for decode steps that fit
 
     def bind(self, cache: KVCache, attention: AttentionBackend) -> None:
         """Attach the stage's cache and the backend that attends over it."""
@@ -66,6 +67,8 @@ class ModelRunner:
     def forward(self, inputs: StepInputs, attention, num_seqs: int) -> torch.Tensor:
         """Logits (num_seqs, vocab) at the last packed row of each of the first num_seqs."""
         md = inputs.metadata
+        if self.graphs is not None and self.graphs.can_replay(inputs):
+            return self.model.compute_logits(self.graphs.replay(inputs))  # one row per sequence
         hidden = self.model(inputs.input_ids, inputs.positions, attention, md)
         last_rows = md.cu_seqlens_q[1 : num_seqs + 1].long() - 1
         return self.model.compute_logits(hidden[last_rows])

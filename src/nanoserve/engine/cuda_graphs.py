@@ -1,0 +1,132 @@
+"""Stage 08: decode steps captured once per batch-size bucket as CUDA graphs, then replayed.
+
+Introduced in stage 08. A decode step launches hundreds of small kernels whose launch cost, at
+H200 speed, rivals their run time. A CUDA graph records the launches once, on fixed tensors, and
+replays them with one call. So every input lives in a static buffer sized for the largest bucket;
+a step copies its rows in (padding rows write to slot -1 and read context length 0), replays the
+smallest bucket that holds it, and reads the hidden states back out. Prefill, batches above the
+largest bucket and CPU runs stay eager. The sampler and the LM head run outside the graph.
+
+    buckets (max_num_seqs 40):  1  2  4  8  16  32  40      a batch of 11 replays bucket 16
+    static buffers:  input_ids, positions, slot_mapping, context_lens  (40,)
+                     block_tables (40, ceil(max_model_len / block_size))   the widest a table gets
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from nanoserve.cache.attention_metadata import pad_decode
+from nanoserve.engine.kv_manager import blocks_for
+from nanoserve.types import AttentionMetadata, HostMetadata, StepInputs
+
+logger = logging.getLogger("nanoserve")
+
+
+def graph_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 16, and always max_num_seqs itself as the largest."""
+    buckets = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
+    buckets += list(range(16, max_num_seqs, 16))
+    return [*buckets, max_num_seqs]
+
+
+def bucket_for(batch_size: int, buckets: list[int]) -> int | None:
+    """The smallest bucket that holds batch_size sequences; None above the largest."""
+    return next((b for b in buckets if b >= batch_size), None)
+
+
+def table_width(max_model_len: int, block_size: int) -> int:
+    """Block-table columns a sequence of max_model_len tokens can need (its last token included)."""
+    return blocks_for(max_model_len, block_size)
+
+
+def static_decode_inputs(max_batch: int, width: int, device) -> StepInputs:
+    """Zeroed decode inputs of the largest bucket: what every graph reads (and padding means)."""
+    zeros = dict(dtype=torch.int64, device=device)
+    ints = dict(dtype=torch.int32, device=device)
+    metadata = AttentionMetadata(
+        is_prefill=False,
+        cu_seqlens_q=torch.arange(max_batch + 1, **ints),
+        cu_seqlens_k=torch.zeros(max_batch + 1, **ints),
+        max_seqlen_q=1,
+        max_seqlen_k=0,  # not read by decode kernels; they loop to each row's context_lens
+        slot_mapping=torch.full((max_batch,), -1, **zeros),  # -1: padding rows write nothing
+        context_lens=torch.zeros(max_batch, **ints),  # 0: padding rows read nothing
+        block_tables=torch.full((max_batch, width), -1, **ints),
+        host=HostMetadata([], [], []),  # graphs never read host lists
+    )
+    return StepInputs(torch.zeros(max_batch, **zeros), torch.zeros(max_batch, **zeros), metadata)
+
+
+def view_rows(static: StepInputs, rows: int) -> StepInputs:
+    """The first `rows` rows of the static buffers (views: a graph records their addresses)."""
+    md = static.metadata
+    metadata = md._replace(
+        cu_seqlens_q=md.cu_seqlens_q[: rows + 1], cu_seqlens_k=md.cu_seqlens_k[: rows + 1],
+        slot_mapping=md.slot_mapping[:rows], context_lens=md.context_lens[:rows],
+        block_tables=md.block_tables[:rows],
+    )  # fmt: skip
+    return StepInputs(static.input_ids[:rows], static.positions[:rows], metadata)
+
+
+def fill_static(static: StepInputs, step: StepInputs) -> None:
+    """Copy a padded decode step into the static buffers' first rows (same shapes)."""
+    rows = step.input_ids.shape[0]
+    target = view_rows(static, rows)
+    for name in ("input_ids", "positions"):
+        getattr(target, name).copy_(getattr(step, name))
+    for name in ("cu_seqlens_k", "slot_mapping", "context_lens", "block_tables"):
+        getattr(target.metadata, name).copy_(getattr(step.metadata, name))
+
+
+class DecodeGraphs:
+    """One captured decode graph per bucket over one set of static buffers, and their replay."""
+
+    def __init__(self, model, attention, max_num_seqs: int, width: int, device):
+        self.model, self.attention = model, attention
+        self.buckets = graph_buckets(max_num_seqs)
+        self.width = width
+        self.static = static_decode_inputs(self.buckets[-1], width, device)
+        self.outputs: dict[int, torch.Tensor] = {}  # bucket -> its hidden states (bucket, hidden)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Warm up and record every bucket, largest first, in one shared memory pool."""
+        start, before = time.perf_counter(), torch.cuda.memory_allocated()
+        pool = None
+        for bucket in reversed(self.buckets):
+            inputs = view_rows(self.static, bucket)
+            self._forward(inputs)  # eager once: Triton compiles, torch picks its kernels
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[bucket] = self._forward(inputs)
+            pool = graph.pool()
+            self.graphs[bucket] = graph
+        torch.cuda.synchronize()
+        logger.info(
+            "captured %d decode graphs (buckets %s) in %.1f s, %.1f MiB", len(self.graphs),
+            self.buckets, time.perf_counter() - start,
+            (torch.cuda.memory_allocated() - before) / 2**20,
+        )  # fmt: skip
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        return self.model(inputs.input_ids, inputs.positions, self.attention, inputs.metadata)
+
+    def can_replay(self, step: StepInputs) -> bool:
+        """True for a decode step that fits a bucket and the captured table width."""
+        md = step.metadata
+        return (not md.is_prefill and bucket_for(md.num_seqs, self.buckets) is not None
+                and md.block_tables.shape[1] <= self.width)  # fmt: skip
+
+    def replay(self, step: StepInputs) -> torch.Tensor:
+        """Hidden states (num_seqs, hidden) of an unpadded decode step, by graph replay."""
+        num_seqs = step.metadata.num_seqs
+        bucket = bucket_for(num_seqs, self.buckets)
+        fill_static(self.static, pad_decode(step, bucket, self.width))  # padding rows included
+        self.graphs[bucket].replay()
+        return self.outputs[bucket][:num_seqs]
