@@ -8,6 +8,8 @@ run the graded-file checks for exactly those stages (e.g. before flipping them t
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
 
@@ -105,10 +107,96 @@ def test_an_impl_that_does_not_exist_is_refused_clearly(impl):
         grading.load_impl(2, impl)
 
 
+def test_a_relative_path_is_taken_from_base_a_file_or_a_folder(tmp_path, monkeypatch):
+    (tmp_path / "mine.py").write_text(
+        "from nanoserve.engine.allocator import BlockAllocator, OutOfBlocks\n"
+    )
+    monkeypatch.chdir(tmp_path.parent)  # somewhere else: mine.py is not in the working directory
+    with pytest.raises(grading.ImplementationError, match="no such file"):
+        grading.load_impl(2, "mine.py")
+    for base in (tmp_path / "my_pool.py", tmp_path):  # base=__file__ of a neighbour, or its folder
+        assert grading.load_impl(2, "mine.py", base=base).BlockAllocator(2).allocate(1) == [0]
+
+
+def test_the_stage_04_starter_pattern_loads_your_stage_02_03_files_wherever_pytest_runs(
+    tmp_path, monkeypatch
+):
+    starter = (ROOT / get_stage(4).starter).read_text()
+    pattern = [
+        line.removeprefix("#   ") for line in starter.splitlines() if line.startswith("#   ")
+    ]
+    assert any("base=__file__" in line for line in pattern), pattern
+    learner = tmp_path / "learner"
+    learner.mkdir()
+    (learner / "my_allocator.py").write_text(
+        "from nanoserve.engine.allocator import BlockAllocator as Reference, OutOfBlocks\n"
+        "class BlockAllocator(Reference):\n    pass\n"
+    )
+    (learner / "my_block_table.py").write_text(
+        "from nanoserve.engine.block_table import BlockPosition, BlockTable as Reference\n"
+        "class BlockTable(Reference):\n    pass\n"
+    )
+    (learner / "my_pool.py").write_text(
+        "\n".join(pattern) + "\n"
+        "from nanoserve.cache.attention_metadata import prepare_decode, prepare_prefill\n"
+        "from nanoserve.cache.paged import gather_kv, store_kvcache\n"
+        "from nanoserve.engine.block_manager import BlockManager as Reference\n"
+        "class BlockManager(Reference):\n"
+        "    def __init__(self, num_blocks, block_size):\n"
+        "        super().__init__(num_blocks, block_size, BlockAllocator, BlockTable)\n"
+    )
+    monkeypatch.chdir(tmp_path)  # not the learner's folder, as under `nanoserve check`
+    manager = grading.load_impl(4, str(learner / "my_pool.py")).BlockManager(4, 4)
+    assert type(manager.allocator).__module__.startswith("nanoserve_impl_my_allocator_")
+    assert manager.table_cls.__module__.startswith("nanoserve_impl_my_block_table_")
+
+
 def test_a_test_file_finds_its_stage_from_its_folder():
     assert grading.stage_for_path(ROOT / "stages/03_block_table/test_03_block_table.py").number == 3
     with pytest.raises(ValueError, match="not inside a stage folder"):
         grading.stage_for_path(ROOT / "tests/test_harness.py")
+
+
+# ---- nanoserve check: an implementation that cannot load stops before pytest runs ----
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (None, "no such file"),
+        ("import no_such_module_anywhere\n", "failed to import: ModuleNotFoundError"),
+        ("def broken(:\n", "failed to import: SyntaxError"),
+        ("x = 1\n", "does not define OutOfBlocks, BlockAllocator"),
+    ],
+    ids=["missing", "import-error", "syntax-error", "missing-api"],
+)
+def test_check_refuses_an_impl_that_cannot_load_with_one_line_and_exit_2(
+    tmp_path, monkeypatch, capsys, content, expected
+):
+    mine = tmp_path / "my_allocator.py"
+    if content is not None:
+        mine.write_text(content)
+
+    def no_pytest(*args, **kwargs):
+        raise AssertionError("pytest must not run for an implementation that cannot load")
+
+    monkeypatch.setattr(check, "run_graded", no_pytest)
+    assert check.run_check(2, str(mine)) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1, err
+    assert expected in err and str(mine) in err, err
+
+
+def test_the_cli_check_of_a_missing_file_prints_one_line_and_exits_2(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "nanoserve", "check", "3", "--impl", "my_block_table.py"],
+        cwd=tmp_path, capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout == ""
+    assert proc.stderr.strip() == (
+        f"nanoserve check: --impl {tmp_path.resolve() / 'my_block_table.py'}: no such file"
+    )
 
 
 # ---- reporting: a skip is never a pass ----

@@ -88,12 +88,16 @@ def run_graded(stage: int, impl: str = "ref", keyword: str | None = None) -> Gra
 
 
 def run_test_file(
-    test_file: Path, impl: str, keyword: str | None = None, cwd: Path | None = None
+    test_file: Path,
+    impl: str,
+    keyword: str | None = None,
+    cwd: Path | None = None,
+    extra_args: tuple[str, ...] = (),
 ) -> tuple[tuple[TestResult, ...], int, str]:
     """Results, pytest's exit status and its output for one test file run in a subprocess.
 
     The implementation travels in the environment (the root conftest.py reads it), so this
-    works for any test file, graded or not.
+    works for any test file, graded or not. extra_args go to pytest as they are (e.g. "-x").
     """
     with tempfile.TemporaryDirectory(prefix="nanoserve-check-") as tmp:
         report_path = Path(tmp) / "outcomes.jsonl"
@@ -101,9 +105,15 @@ def run_test_file(
         command = [sys.executable, "-m", "pytest", str(test_file), "-q"]
         command += ["-p", "no:cacheprovider", "-p", "nanoserve.check"]
         command += ["-k", keyword] if keyword else []
+        command += list(extra_args)
         proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
-        records = _read_records(report_path)
-    return _results(records), proc.returncode, proc.stdout + proc.stderr
+        results = read_report(report_path)
+    return results, proc.returncode, proc.stdout + proc.stderr
+
+
+def read_report(path: Path) -> tuple[TestResult, ...]:
+    """The results the plugin half wrote to `path` (the file REPORT_ENV_VAR names)."""
+    return _results(_read_records(path))
 
 
 def format_report(run: GradedRun) -> str:
@@ -139,10 +149,15 @@ def _listed(results: list[TestResult]) -> list[str]:
 
 
 def run_check(stage: int, impl: str = "ref", keyword: str | None = None) -> int:
-    """Run, print the report, and return 0 only when every graded test passed (a skip fails)."""
+    """Run, print the report, and return 0 only when every graded test passed (a skip fails).
+
+    An --impl that cannot be loaded (no such file, an import error, a missing API name) is one
+    line on stderr and exit status 2, before any test runs.
+    """
     try:
+        grading.load_impl(stage, grading.normalize_impl(impl))
         run = run_graded(stage, impl, keyword)
-    except (FileNotFoundError, ValueError) as err:
+    except (FileNotFoundError, ValueError, grading.ImplementationError) as err:
         print(f"nanoserve check: {err}", file=sys.stderr)
         return 2
     print(format_report(run))

@@ -82,15 +82,22 @@ def normalize_impl(impl: str | None, base: str | os.PathLike | None = None) -> s
     return str(path.resolve())
 
 
-def load_impl(stage_number: int, impl: str = DEFAULT_IMPL) -> types.SimpleNamespace:
-    """The stage API from `ref`, `starter`, a .py path or a dotted module, as a namespace."""
+def load_impl(
+    stage_number: int, impl: str = DEFAULT_IMPL, base: str | os.PathLike | None = None
+) -> types.SimpleNamespace:
+    """The stage API from `ref`, `starter`, a .py path or a dotted module, as a namespace.
+
+    A relative path is taken from `base`: a folder, or a file whose folder is meant, so a
+    learner's file can load its neighbour wherever pytest runs:
+    `load_impl(2, "my_allocator.py", base=__file__)`. Without `base`, from the working directory.
+    """
     names = api_names(stage_number)
     if impl == "ref":
         return types.SimpleNamespace(**COMPOSITIONS[stage_number].learner_api)
     if impl == "starter":
         module = _module_from_file(repo_root() / get_stage(stage_number).starter)
     elif is_path_like(impl):
-        module = _module_from_file(Path(normalize_impl(impl)))
+        module = _module_from_file(Path(normalize_impl(impl, base=_folder_of(base))))
     else:
         module = _import_module(impl)
     missing = [n for n in names if not hasattr(module, n)]
@@ -101,6 +108,14 @@ def load_impl(stage_number: int, impl: str = DEFAULT_IMPL) -> types.SimpleNamesp
             f"name its starter defines ({', '.join(names)}). Copy {stage.starter} and fill it in."
         )
     return types.SimpleNamespace(**{n: getattr(module, n) for n in names})
+
+
+def _folder_of(base: str | os.PathLike | None) -> Path | None:
+    """base itself when it is a folder; the folder holding it when it names a file."""
+    if base is None:
+        return None
+    base = Path(base).expanduser().resolve()
+    return base if base.is_dir() else base.parent
 
 
 def _import_module(name: str) -> types.ModuleType:

@@ -37,11 +37,12 @@ from nanoserve.types import Sequence, StepInputs
 # tables with -1 and fills in max_seqlen_q/k and the host copies.
 #
 # BlockAllocator and BlockTable above are the references of stages 02 and 03. To build your block
-# manager on your own files instead, load them by path (relative to where you run pytest) or by
-# module name, the same values --impl takes:
+# manager on your own files instead, load them by path or by module name, the same values --impl
+# takes; base=__file__ finds the paths next to this file, wherever pytest or `nanoserve check`
+# runs from:
 #   from nanoserve import grading
-#   BlockAllocator = grading.load_impl(2, "my_allocator.py").BlockAllocator
-#   BlockTable = grading.load_impl(3, "my_table.py").BlockTable
+#   BlockAllocator = grading.load_impl(2, "my_allocator.py", base=__file__).BlockAllocator
+#   BlockTable = grading.load_impl(3, "my_block_table.py", base=__file__).BlockTable
 
 # ---- task 1: the block manager ----
 
@@ -112,7 +113,8 @@ class BlockManager:
         raise NotImplementedError("task 1: BlockManager.may_append")
 
     def deallocate(self, seq: Sequence) -> None:
-        """Return every block of seq to the pool; set seq.block_table = [] and
+        """Return every block of seq to the pool in table order (so its last block is the first
+        handed out again, as stage 03's free() does); set seq.block_table = [] and
         seq.num_cached_tokens = 0 (its K/V is gone: a preempted sequence is recomputed)."""
         raise NotImplementedError("task 1: BlockManager.deallocate")
 
@@ -120,7 +122,9 @@ class BlockManager:
         """Raise AssertionError if the books disagree; the tests call it after every step.
 
         For example: free + held == num_blocks; no block held twice; every live sequence holds
-        enough blocks for its tokens. It is your debugging aid: make it strict.
+        enough blocks for its tokens. It is your debugging aid: make it strict. Graded: after
+        allocate(seq) twice for one seq (a scheduler bug; your allocate may also refuse it), the
+        first blocks are neither free nor held, and this must raise.
         """
         raise NotImplementedError("task 1: BlockManager.check_invariants")
 
