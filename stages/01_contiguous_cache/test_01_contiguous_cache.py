@@ -22,6 +22,12 @@ def new_seq(num_tokens: int = 3) -> Sequence:
     return Sequence(list(range(num_tokens)), SamplingParams(max_tokens=8))
 
 
+def assert_fields(what: str, got: dict, expected: dict) -> None:
+    """Compare named values one by one, so a failure names the one that differs."""
+    for name, want in expected.items():
+        assert got[name] == want, f"{what}: {name} is {got[name]!r}, expected {want!r}"
+
+
 # ---- task 1: handing out slabs ----
 
 
@@ -36,12 +42,13 @@ def test_task_1_a_fresh_manager_hands_out_slabs_0_1_2_in_order(impl):
 
 def test_task_1_can_allocate_and_num_free_slabs_follow_the_admissions(impl):
     manager = impl.SlabManager(2)
-    a, b = new_seq(), new_seq()
-    assert (manager.num_free_slabs, manager.can_allocate(a)) == (2, True)
-    manager.allocate(a)
-    assert (manager.num_free_slabs, manager.can_allocate(b)) == (1, True)
-    manager.allocate(b)
-    assert (manager.num_free_slabs, manager.can_allocate(new_seq())) == (0, False)
+    for num_admitted, can_allocate in [(0, True), (1, True), (2, False)]:
+        got = {"num_free_slabs": manager.num_free_slabs,
+               "can_allocate": manager.can_allocate(new_seq())}  # fmt: skip
+        want = {"num_free_slabs": 2 - num_admitted, "can_allocate": can_allocate}
+        assert_fields(f"with {num_admitted} of 2 slabs handed out", got, want)
+        if can_allocate:
+            manager.allocate(new_seq())
 
 
 @pytest.mark.parametrize(("num_prompt_tokens", "max_num_tokens"), [(1, 2), (50, 114), (127, 128)])
@@ -57,14 +64,18 @@ def test_task_1_every_request_within_max_model_len_fits_a_slab(
 
 def test_task_2_a_sequence_holding_a_slab_can_always_append_and_nothing_moves(impl):
     manager = impl.SlabManager(2)
-    seq = new_seq(5)
+    seq, other = new_seq(5), new_seq()
     manager.allocate(seq)
+    manager.allocate(other)  # the pool is exhausted now; seq's own slab still has room
     seq.num_cached_tokens = 5
-    for _ in range(40):  # forty decode steps: the slab already has room for all of them
-        assert manager.can_append(seq) is True
+    for step in range(40):  # forty decode steps: the slab already has room for all of them
+        assert manager.can_append(seq) is True, f"decode step {step}, with no slab free"
         manager.may_append(seq)
         seq.append_token(7)
-    assert (seq.slab_id, seq.num_cached_tokens, manager.num_free_slabs) == (0, 5, 1)
+    got = {"seq.slab_id": seq.slab_id, "seq.num_cached_tokens": seq.num_cached_tokens,
+           "num_free_slabs": manager.num_free_slabs}  # fmt: skip
+    want = {"seq.slab_id": 0, "seq.num_cached_tokens": 5, "num_free_slabs": 0}
+    assert_fields("after 40 decode steps", got, want)
 
 
 def test_task_2_deallocate_returns_the_slab_and_forgets_what_was_cached(impl):
@@ -75,7 +86,8 @@ def test_task_2_deallocate_returns_the_slab_and_forgets_what_was_cached(impl):
     manager.deallocate(seq)
     assert seq.slab_id is None
     assert seq.num_cached_tokens == 0, "a sequence that runs again must be prefilled from token 0"
-    assert (manager.num_free_slabs, manager.can_allocate(new_seq())) == (1, True)
+    assert manager.num_free_slabs == 1, "the slab must be free again"
+    assert manager.can_allocate(new_seq()), "the freed slab must be admissible"
 
 
 def test_task_2_a_returned_slab_goes_to_the_next_sequence(impl):
@@ -85,7 +97,9 @@ def test_task_2_a_returned_slab_goes_to_the_next_sequence(impl):
     manager.allocate(b)
     manager.deallocate(a)  # slab 0 is the only free one now
     manager.allocate(c)
-    assert (b.slab_id, c.slab_id, manager.num_free_slabs) == (1, 0, 0)
+    got = {"b.slab_id": b.slab_id, "c.slab_id": c.slab_id, "num_free_slabs": manager.num_free_slabs}
+    assert_fields("after a, b in, a out, c in", got, {"b.slab_id": 1, "c.slab_id": 0,
+                                                      "num_free_slabs": 0})  # fmt: skip
     manager.deallocate(b)
     manager.deallocate(c)
     assert manager.num_free_slabs == 2

@@ -29,27 +29,38 @@ def all_slots(table):
     return [table.slot(p) for p in range(table.num_tokens)]
 
 
+def assert_table(table, num_tokens: int, block_ids: list[int], when: str) -> None:
+    """The table's num_tokens and block_ids, each checked on its own so a failure names it."""
+    assert table.num_tokens == num_tokens, (
+        f"{when}: num_tokens {table.num_tokens}, expected {num_tokens}"
+    )
+    assert table.block_ids == block_ids, (
+        f"{when}: block_ids {table.block_ids}, expected {block_ids}"
+    )
+
+
 # ---- task 1: lazy growth ----
 
 
 def test_task_1_a_new_table_is_empty_and_holds_no_blocks(impl):
     allocator = BlockAllocator(4)
     table = impl.BlockTable(allocator, 16)
-    assert (table.block_size, table.num_tokens, table.block_ids) == (16, 0, [])
-    assert allocator.num_free_blocks == 4
+    assert table.block_size == 16
+    assert_table(table, 0, [], "a new table")
+    assert allocator.num_free_blocks == 4, "a new table takes no block"
 
 
 def test_task_1_append_takes_a_block_only_when_a_token_crosses_a_boundary(impl):
     allocator = BlockAllocator(8)
     table = impl.BlockTable(allocator, 4)
     table.append(3)
-    assert (table.num_tokens, table.block_ids) == (3, [0])
+    assert_table(table, 3, [0], "after append(3)")
     table.append(1)  # fills position 3, the last of block 0: no new block
-    assert (table.num_tokens, table.block_ids) == (4, [0])
+    assert_table(table, 4, [0], "after append(1) filled block 0")
     table.append(1)  # position 4 has no block yet
-    assert (table.num_tokens, table.block_ids) == (5, [0, 1])
+    assert_table(table, 5, [0, 1], "after append(1) crossed into a second block")
     table.append(7)  # positions 5..11 fill block 1 and all of a third block
-    assert (table.num_tokens, table.block_ids) == (12, [0, 1, 2])
+    assert_table(table, 12, [0, 1, 2], "after append(7)")
     assert allocator.num_free_blocks == 5
 
 
@@ -116,10 +127,10 @@ def test_task_3_growth_the_pool_cannot_cover_raises_and_changes_nothing(impl):
     table.append(4)  # one full block; two left in the pool
     with pytest.raises(OutOfBlocks):
         table.append(9)  # positions 4..12 need three more blocks
-    assert (table.num_tokens, table.block_ids) == (4, [0])
+    assert_table(table, 4, [0], "after a refused append(9)")
     assert allocator.num_free_blocks == 2, "no block may be stranded by a refused append"
     table.append(8)  # exactly what is left still works
-    assert (table.num_tokens, table.block_ids) == (12, [0, 1, 2])
+    assert_table(table, 12, [0, 1, 2], "after append(8) took the last two blocks")
 
 
 def test_task_3_with_the_pool_empty_a_table_still_grows_inside_its_last_block(impl):
@@ -140,8 +151,22 @@ def test_task_4_free_returns_every_block_and_empties_the_table(impl):
     table = impl.BlockTable(allocator, 4)
     table.append(10)
     table.free()
-    assert (table.num_tokens, table.block_ids) == (0, [])
-    assert allocator.num_free_blocks == 6
+    assert_table(table, 0, [], "after free()")
+    assert allocator.num_free_blocks == 6, "free() returns every block"
+
+
+def test_task_4_a_scattered_table_frees_in_table_order_so_its_last_block_is_reused_first(impl):
+    allocator = BlockAllocator(8)
+    allocator.allocate(8)
+    allocator.free([2, 5])  # LIFO: the table below gets 5, then 2
+    table = impl.BlockTable(allocator, 16)
+    table.append(20)
+    assert table.block_ids == [5, 2]
+    table.free()  # table order: 5 goes back, then 2, so 2 is on top of the free stack
+    assert allocator.allocate(2) == [2, 5], (
+        "free() must hand back [5, 2] in table order (not sorted, not reversed): the allocator "
+        "then gives the last block freed, 2, first"
+    )
 
 
 def test_task_4_reuse_after_a_free_scatters_a_sequence_and_translation_follows(impl):
