@@ -89,7 +89,27 @@ def values(step) -> dict:
         "max_seqlen_k": md.max_seqlen_k,
         "host.cu_seqlens_q": list(md.host.cu_seqlens_q),
         "host.context_lens": list(md.host.context_lens),
+        "host.block_tables": [list(t) for t in md.host.block_tables],
     }
+
+
+# the dtypes AttentionMetadata and StepInputs document (nanoserve/types.py)
+DTYPES = {
+    "input_ids": torch.int64,
+    "positions": torch.int64,
+    "slot_mapping": torch.int64,
+    "cu_seqlens_q": torch.int32,
+    "cu_seqlens_k": torch.int32,
+    "context_lens": torch.int32,
+    "block_tables": torch.int32,
+}
+
+
+def assert_dtypes(step) -> None:
+    tensors = {"input_ids": step.input_ids, "positions": step.positions}
+    tensors.update({f: getattr(step.metadata, f) for f in DTYPES if f not in tensors})
+    for field, dtype in DTYPES.items():
+        assert tensors[field].dtype == dtype, f"{field} is {tensors[field].dtype}, expected {dtype}"
 
 
 def assert_step(step, expected: dict) -> None:
@@ -342,14 +362,15 @@ def test_task_2_store_writes_into_the_pool_through_its_layer_views(impl):
 # ---- task 3: read one sequence's history through its block table ----
 
 
-def filled_cache(table, context_len, block_size=4, num_blocks=6):
+def filled_cache(table, context_len, block_size=4, num_blocks=6, num_kv_heads=2, head_dim=3):
     """A cache holding position p's row (every value p + 1) at block table[p // bs], p % bs,
     plus junk (-7) in every slot that is not the sequence's."""
-    cache = torch.full((num_blocks, block_size, 2, 3), -7.0, dtype=torch.float64)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    cache = torch.full(shape, -7.0, dtype=torch.float64)
     for p in range(context_len):
         cache[table[p // block_size], p % block_size] = p + 1
-    expected = torch.arange(1, context_len + 1, dtype=torch.float64)[:, None, None].expand(-1, 2, 3)
-    return cache, expected
+    expected = torch.arange(1, context_len + 1, dtype=torch.float64)[:, None, None]
+    return cache, expected.expand(-1, num_kv_heads, head_dim)
 
 
 def test_task_3_gather_returns_logical_order_from_scattered_blocks(impl):
@@ -374,6 +395,16 @@ def test_task_3_gather_at_block_edges(impl, context_len):
     assert torch.equal(got, expected)
 
 
+def test_task_3_gather_reads_blocks_of_block_size_rows_whatever_the_other_dimensions(impl):
+    # block_size 2, 5 KV heads, head_dim 7: a dimension mixed up with another shows here
+    table = [6, 1, 3, 0]
+    cache, expected = filled_cache(table, 7, block_size=2, num_blocks=8, num_kv_heads=5, head_dim=7)
+    got = impl.gather_kv(cache, torch.tensor([*table, -1], dtype=torch.int32), 7)
+    assert got.shape == (7, 5, 7), f"shape {tuple(got.shape)}, expected (7, 5, 7)"
+    for p in range(7):
+        assert torch.equal(got[p], expected[p]), f"position {p} (block {table[p // 2]})"
+
+
 # ---- task 4: the prefill step's tensors ----
 
 
@@ -392,7 +423,9 @@ def test_task_4_prefill_of_prompt_a_writes_slots_0_to_10(impl):
         "max_seqlen_k": 11,
         "host.cu_seqlens_q": [0, 11],
         "host.context_lens": [11],
+        "host.block_tables": [[0, 1, 2]],
     })  # fmt: skip
+    assert_dtypes(step)
 
 
 def test_task_4_slots_follow_a_fragmented_block_table(impl):
@@ -428,6 +461,7 @@ def test_task_4_a_packed_batch_keeps_two_cumulative_length_arrays(impl):
         "host.cu_seqlens_q": [0, 3, 5],
         "slot_mapping": [36, 37, 38, 40, 41],
         "block_tables": [[8, 9], [10, -1]],  # padded with -1
+        "host.block_tables": [[8, 9], [10]],  # the host copy is not padded
         "context_lens": [7, 2],
         "host.context_lens": [7, 2],
     })  # fmt: skip
@@ -457,7 +491,8 @@ def test_task_4_prefill_reads_the_tables_and_changes_nothing(impl):
 
 def test_task_5_decode_at_length_12_writes_slot_11_and_reads_three_blocks(impl):
     a = seq_of([*A, 99], [0, 1, 2], num_cached_tokens=11)
-    assert_step(impl.prepare_decode([a], 4, "cpu"), {
+    step = impl.prepare_decode([a], 4, "cpu")
+    assert_step(step, {
         "is_prefill": False,
         "input_ids": [99],
         "positions": [11],
@@ -470,7 +505,9 @@ def test_task_5_decode_at_length_12_writes_slot_11_and_reads_three_blocks(impl):
         "max_seqlen_k": 12,
         "host.cu_seqlens_q": [0, 1],
         "host.context_lens": [12],
+        "host.block_tables": [[0, 1, 2]],
     })  # fmt: skip
+    assert_dtypes(step)
 
 
 def test_task_5_decode_at_length_13_writes_the_first_slot_of_the_new_block(impl):
