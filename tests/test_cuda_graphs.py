@@ -83,7 +83,8 @@ def test_graph_replay_gives_the_eager_tokens_for_every_batch_size(tiny_checkpoin
 
     def build():
         return LLM(str(folder), stage=6, device="cuda", dtype="float32", block_size=16,
-                   max_model_len=128, max_num_seqs=24, attention_backend="triton")  # fmt: skip
+                   max_model_len=128, max_num_seqs=24, num_kv_blocks=256,
+                   attention_backend="triton")  # fmt: skip
 
     eager = [o.token_ids for o in build().generate(prompts, params, use_tqdm=False)]
     llm = build()

@@ -247,3 +247,27 @@ def test_there_is_no_import_cycle_anywhere_in_the_package():
         sys.path.pop(0)
     for depth in (None, 2):
         assert import_cycles(import_edges("nanoserve", depth)) == []
+
+
+def test_a_block_table_that_replaces_its_list_on_growth_never_leaves_a_stale_one(
+    tiny_checkpoints,
+):
+    class ReplacingTable(BlockTable):  # correct, but a new list object after every growth
+        def append(self, num_new_tokens: int) -> None:
+            super().append(num_new_tokens)
+            self.block_ids = list(self.block_ids)
+
+    folder, _ = tiny_checkpoints["llama"]
+    requests = engine_requests()
+    expected = tokens(tiny_llm(folder, 3, block_size=4), requests)
+    assert (
+        tokens(
+            tiny_llm(folder, 3, block_size=4, components={"BlockTable": ReplacingTable}), requests
+        )
+        == expected
+    )
+    manager = functools.partial(BlockManager, table_cls=ReplacingTable)
+    assert (
+        tokens(tiny_llm(folder, 4, block_size=4, components={"BlockManager": manager}), requests)
+        == expected
+    )

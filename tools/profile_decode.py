@@ -18,6 +18,7 @@ from collections import defaultdict
 import torch
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.engine.cuda_graphs import DecodeGraphs, table_width
 
 
 class Laps:
@@ -53,6 +54,7 @@ def decode_step(engine, laps: Laps) -> int:
     return len(seqs)
 
 
+@torch.inference_mode()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3-0.6b")
@@ -61,10 +63,16 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--graphs", action="store_true", help="capture decode graphs first")
     args = parser.parse_args()
     llm = LLM(args.model, stage=args.stage, max_num_seqs=max(args.batch, 1),
               attention_backend=args.attention_backend)  # fmt: skip
     engine, runner = llm.engine, llm.engine.runner
+    if args.graphs and runner.graphs is None:
+        runner.graphs = DecodeGraphs(runner.model, runner.attention, args.batch,
+                                     table_width(llm.config.max_model_len, llm.config.block_size),
+                                     runner.device)  # fmt: skip
+        runner.graphs.capture()
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.steps + 8)
     for i in range(args.batch):
         engine.add_request([(i * 31 + j) % 10000 for j in range(args.context)], params)

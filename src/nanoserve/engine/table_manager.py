@@ -64,8 +64,10 @@ class TableManager:
 
     def may_append(self, seq: Sequence) -> None:
         """Grow seq's table by the token this decode step writes (a block only at a boundary)."""
-        new_block_ids = grow_table(self.tables[seq.seq_id], len(seq))
+        table = self.tables[seq.seq_id]
+        new_block_ids = grow_table(table, len(seq))
         self.num_promised[seq.seq_id] -= len(new_block_ids)
+        seq.block_table = table.block_ids  # a table may replace its list when it grows
 
     def deallocate(self, seq: Sequence) -> None:
         """Hand every block and promise back."""

@@ -44,7 +44,7 @@ def build_model(
         model.tie_weights()  # to_empty makes new tensors, which unties shared ones
         model.model.rotary.reset_inv_freq()  # a computed buffer: no checkpoint holds it
         load_weights(model, state_dict)
-    return model.to(dtype=dtype).eval()
+    return model.to(dtype=dtype).eval().requires_grad_(False)  # inference only: no autograd
 
 
 def skipped_names(config: ModelConfig) -> set[str]:
