@@ -2,7 +2,8 @@
 
 `--impl` (or the NANOSERVE_IMPL environment variable, which reaches xdist workers and
 subprocesses) picks what `stages/NN_slug/test_NN_slug.py` grades: ref, starter, a .py path or a
-dotted module. Tests marked `gpu` skip with a reason when no CUDA device is visible.
+dotted module. Tests marked `gpu` skip with a reason when no CUDA device is visible; without one,
+TRITON_INTERPRET=1 is set too, so the Triton kernels of stages 05-06 run through the interpreter.
 """
 
 from __future__ import annotations
@@ -10,8 +11,15 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from nanoserve import grading
+
+if not torch.cuda.is_available():
+    # Without a GPU, the Triton kernels of stages 05-06 run through Triton's interpreter. Triton
+    # reads the variable when @triton.jit runs, i.e. when a kernel module is first imported:
+    # nothing above imports one. An explicit TRITON_INTERPRET in the environment wins.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _IMPL_KEY = pytest.StashKey[str]()  # the resolved --impl, set once per session
 _LOADED: dict[tuple[int, str], object] = {}  # (stage number, impl) -> its API namespace
@@ -38,8 +46,6 @@ def pytest_report_header(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    import torch
-
     if torch.cuda.is_available():
         return
     needs_gpu = pytest.mark.skip(reason="needs a CUDA GPU (none is visible here)")

@@ -2,19 +2,29 @@
 
 Tiny random checkpoints in float64 (prompts just below, at and above block boundaries) and the
 real SmolLM2 in float32. Stages are taken from the manifest, so a new stage joins the chain by
-declaring `proven_equal_to = "stage NN"`.
+declaring `proven_equal_to = "stage NN"`. The Triton stages (05, 06) run on a CPU through
+Triton's interpreter, which is slow: they have their own tests below, on small workloads.
 """
 
 import random
 
 import pytest
+import torch
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.cache.attention_metadata import prepare_decode, prepare_prefill
+from nanoserve.cache.paged import PagedKVPool, TorchPagedAttention
+from nanoserve.engine.compositions import COMPOSITIONS
 from nanoserve.stages import implemented_stages
+from nanoserve.types import Sequence
 
 from .conftest import TINY_FAMILIES, needs_smollm2
 
-CHAINED = [s for s in implemented_stages() if s.oracle_stage is not None]
+# On a CPU, "auto" gives a Triton stage stage 04's torch path: the chain runs their kernels below.
+KERNEL_STAGES = {n for n, c in COMPOSITIONS.items() if "triton" in c.attention}
+CHAINED = [
+    s for s in implemented_stages() if s.oracle_stage is not None and s.number not in KERNEL_STAGES
+]
 # Stage 03 is proven by a property (decode growth == bulk allocation), but it also runs an engine
 # (block tables over the allocator, K/V at flat slots), which must reproduce stage 01's tokens.
 PAIRS = [(s.number, s.oracle_stage) for s in CHAINED] + [
@@ -62,3 +72,98 @@ def test_stage_reproduces_its_oracle_on_smollm2_in_float32(smollm2_llm, stage):
     candidate = LLM("smollm2", stage=stage.number, device="cpu", dtype="float32")
     expected = greedy_tokens(oracle, SMOLLM2_PROMPTS, 24)
     assert greedy_tokens(candidate, SMOLLM2_PROMPTS, 24) == expected
+
+
+# ---- the Triton stages: through the interpreter on a CPU (conftest.py sets TRITON_INTERPRET),
+# compiled on a GPU; float64 either way ----
+
+KERNEL_PROMPT_LENGTHS = (1, 4, 5, 9, 17)  # at and around block boundaries of 4
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SMALL = dict(device=DEVICE, dtype="float64", block_size=4, max_model_len=64, num_kv_blocks=64)
+
+
+def kernel_prompts() -> list[list[int]]:
+    rng = random.Random(5)
+    return [[rng.randrange(256) for _ in range(n)] for n in KERNEL_PROMPT_LENGTHS]
+
+
+def greedy_run(folder, stage: int, max_tokens: int = 10, **options):
+    """(tokens, pool tensor after the run, number of preemptions) of one small engine run."""
+    llm = LLM(str(folder), stage=stage, **{**SMALL, **options})
+    tokens = greedy_tokens(llm, kernel_prompts(), max_tokens)
+    return tokens, llm.engine.runner.cache.kv.cpu(), llm.engine.scheduler.num_preemptions
+
+
+@pytest.fixture(scope="module")
+def stage_04_runs(tiny_checkpoints):
+    """Stage 04 (torch) on every tiny family: the oracle of the kernel stages."""
+    return {f: greedy_run(tiny_checkpoints[f][0], 4) for f in TINY_FAMILIES}
+
+
+def test_stage05_triton_store_leaves_stage04_pool_bytes_and_tokens(tiny_checkpoints, stage_04_runs):
+    pytest.importorskip("triton")
+    folder, _ = tiny_checkpoints["qwen3"]
+    tokens, pool, _ = greedy_run(folder, 5, attention_backend="triton")
+    want_tokens, want_pool, _ = stage_04_runs["qwen3"]
+    assert tokens == want_tokens
+    assert torch.equal(pool.view(torch.uint8), want_pool.view(torch.uint8)), "pool bytes differ"
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])  # llama: the preemption test below
+def test_stage06_triton_kernels_give_the_torch_paths_tokens_in_float64(
+    tiny_checkpoints, stage_04_runs, family
+):
+    # Stage 05's torch attention is stage 04's; float64 leaves the kernels' other summation
+    # order ~1e-16 from it, far below any gap between two tokens: tokens must be identical.
+    pytest.importorskip("triton")
+    tokens, _, _ = greedy_run(tiny_checkpoints[family][0], 6, attention_backend="triton")
+    assert tokens == stage_04_runs[family][0]
+
+
+def test_stage06_triton_kernels_with_forced_preemption_give_the_same_tokens(
+    tiny_checkpoints, stage_04_runs
+):
+    pytest.importorskip("triton")
+    folder, _ = tiny_checkpoints["llama"]
+    tokens, _, preemptions = greedy_run(folder, 6, attention_backend="triton", num_kv_blocks=9)
+    assert preemptions > 0, "the pool was meant to run dry"
+    assert tokens == stage_04_runs["llama"][0]
+
+
+def step_logits(model, make_attention, prompts, block_size: int = 4) -> torch.Tensor:
+    """Logits (2B, V) of one prefill of `prompts` and one decode step after it, through a fresh
+    pool with the attention `make_attention(pool)` builds; block tables set by hand."""
+    config, weight = model.config, next(model.parameters())
+    seqs, num_blocks = [], 0
+    for prompt in prompts:
+        seq = Sequence(list(prompt), SamplingParams())
+        needed = -(-(len(prompt) + 1) // block_size)  # room for the decode token too
+        seq.block_table = list(range(num_blocks, num_blocks + needed))
+        num_blocks += needed
+        seqs.append(seq)
+    pool = PagedKVPool(num_blocks, block_size, config.num_hidden_layers,
+                       config.num_key_value_heads, config.head_dim, weight.dtype,
+                       weight.device)  # fmt: skip
+    attention = make_attention(pool)
+    logits = []
+    with torch.inference_mode():
+        for prepare in (prepare_prefill, prepare_decode):
+            step = prepare(seqs, block_size, weight.device)
+            hidden = model(step.input_ids, step.positions, attention, step.metadata)
+            last_rows = step.metadata.cu_seqlens_q[1:].long() - 1
+            logits.append(model.compute_logits(hidden[last_rows]).double())
+            for seq in seqs:  # its K/V is stored now; feed one more token
+                seq.num_cached_tokens = len(seq)
+                seq.append_token(7)
+    return torch.cat(logits)
+
+
+def test_stage06_triton_logits_equal_the_torch_references_to_1e_12_in_float64(tiny_checkpoints):
+    pytest.importorskip("triton")
+    from nanoserve.kernels.triton_backend import TritonPagedAttention
+
+    folder, _ = tiny_checkpoints["qwen3"]
+    model = LLM(str(folder), stage=4, **SMALL).model
+    want = step_logits(model, TorchPagedAttention, kernel_prompts())
+    got = step_logits(model, TritonPagedAttention, kernel_prompts())
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)  # measured: 5e-16 (logits ~0.6)

@@ -2,15 +2,22 @@
 
 bf16 (or float32 with other kernels) on a GPU does not reproduce the CPU's bits, so tokens must be
 identical up to the first divergence, and there each side's token must be in the other side's
-top-5. These tests carry the `gpu` marker and skip, with that reason, where no CUDA GPU exists.
+top-5. Stage 06's Triton kernels meet that rule against stage 04 (tiny checkpoints, Qwen3-0.6B's
+shape with random weights, a forced-preemption run), and their logits stay within a tolerance of
+the torch reference's. These tests carry the `gpu` marker and skip, with that reason, where no
+CUDA GPU exists.
 """
 
 import random
 
 import pytest
+import torch
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.cache.paged import TorchPagedAttention
 from nanoserve.testing import next_token_logits
+
+from .test_equivalence import step_logits
 
 pytestmark = pytest.mark.gpu
 
@@ -53,3 +60,75 @@ def test_qwen3_shape_bf16_stage4_matches_stage1_on_cuda_up_to_top5(prompts):
     got = LLM("qwen3-0.6b", stage=4, **options)
     for p, r, g in zip(prompts, ref.generate(prompts, params), got.generate(prompts, params)):
         assert_same_up_to_top5_divergence(ref, got, p, r.token_ids, g.token_ids)
+
+
+# ---- stage 06: the Triton kernels on CUDA ----
+
+
+def tiny_prompts(prompts) -> list[list[int]]:
+    return [[t % 256 for t in p] for p in prompts]
+
+
+def test_auto_picks_the_triton_kernels_on_cuda_at_stages_5_and_6(tiny_checkpoints):
+    folder, _ = tiny_checkpoints["llama"]
+    for stage in (5, 6):
+        llm = LLM(str(folder), stage=stage, device="cuda", num_kv_blocks=8)
+        assert llm.engine.attention.name == "triton", stage
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_stage6_triton_on_cuda_matches_stage4_up_to_top5(tiny_checkpoints, prompts, dtype,
+                                                        block_size):  # fmt: skip
+    folder, _ = tiny_checkpoints["qwen3"]
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    options = dict(device="cuda", dtype=dtype, block_size=block_size, num_kv_blocks=64)
+    ref = LLM(str(folder), stage=4, **options)
+    got = LLM(str(folder), stage=6, attention_backend="triton", **options)
+    prompts = tiny_prompts(prompts)
+    for p, r, g in zip(prompts, ref.generate(prompts, params), got.generate(prompts, params)):
+        assert_same_up_to_top5_divergence(ref, got, p, r.token_ids, g.token_ids)
+
+
+def test_stage6_triton_with_forced_preemption_on_cuda_matches_stage4_up_to_top5(
+    tiny_checkpoints, prompts
+):
+    folder, _ = tiny_checkpoints["llama"]
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    options = dict(device="cuda", dtype="bfloat16", block_size=16)
+    ref = LLM(str(folder), stage=4, num_kv_blocks=64, **options)
+    got = LLM(str(folder), stage=6, attention_backend="triton", num_kv_blocks=12, **options)
+    prompts = tiny_prompts(prompts)  # the longest needs ceil((100 + 32) / 16) = 9 blocks
+    for p, r, g in zip(prompts, ref.generate(prompts, params), got.generate(prompts, params)):
+        assert_same_up_to_top5_divergence(ref, got, p, r.token_ids, g.token_ids)
+    assert got.engine.scheduler.num_preemptions > 0, "the pool was meant to run dry"
+
+
+def test_qwen3_shape_bf16_stage6_triton_matches_stage4_on_cuda_up_to_top5(prompts):
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    options = dict(device="cuda", dtype="bfloat16", max_model_len=512, num_kv_blocks=256)
+    ref = LLM("qwen3-0.6b", stage=4, **options)
+    got = LLM("qwen3-0.6b", stage=6, attention_backend="triton", **options)
+    for p, r, g in zip(prompts, ref.generate(prompts, params), got.generate(prompts, params)):
+        assert_same_up_to_top5_divergence(ref, got, p, r.token_ids, g.token_ids)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_stage6_triton_logits_match_the_torch_reference_on_cuda(tiny_checkpoints, prompts,
+                                                                family):  # fmt: skip
+    """float32: the kernels within 1e-3 of torch. bf16: their error against the float32 torch
+    logits at most twice torch's own bf16 error (FlashAttention's rule), plus 1e-3 of the scale."""
+    from nanoserve.kernels.triton_backend import TritonPagedAttention
+
+    folder, _ = tiny_checkpoints[family]
+    prompts = tiny_prompts(prompts)
+    model = {d: LLM(str(folder), stage=4, device="cuda", dtype=d, num_kv_blocks=8).model
+             for d in ("float32", "bfloat16")}  # fmt: skip
+    want = step_logits(model["float32"], TorchPagedAttention, prompts, block_size=16)
+    got = step_logits(model["float32"], TritonPagedAttention, prompts, block_size=16)
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+    torch_bf16 = step_logits(model["bfloat16"], TorchPagedAttention, prompts, block_size=16)
+    triton_bf16 = step_logits(model["bfloat16"], TritonPagedAttention, prompts, block_size=16)
+    torch_err = (torch_bf16 - want).abs().max().item()
+    triton_err = (triton_bf16 - want).abs().max().item()
+    assert triton_err <= 2 * torch_err + 1e-3 * want.abs().max().item(), (triton_err, torch_err)

@@ -18,7 +18,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from nanoserve.kernels.paged_attention import paged_attention_decode, paged_attention_prefill
+from nanoserve.kernels.paged_decode import paged_attention_decode
+from nanoserve.kernels.paged_prefill import paged_attention_prefill
 
 
 def parse_args() -> argparse.Namespace:

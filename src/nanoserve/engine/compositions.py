@@ -9,6 +9,7 @@ equivalence chain between stages is a plain test. A new stage adds one row.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -96,7 +97,11 @@ def build_block_tables(config: EngineConfig, sizing: Sizing, parts: dict):
 
 
 def build_paged(config: EngineConfig, sizing: Sizing, parts: dict):
-    """Stage 04: one pool tensor, lazy block growth, preemption when the pool runs dry."""
+    """Stage 04 on: one pool tensor, lazy block growth, preemption when the pool runs dry.
+
+    Later stages change only the kernels, so they keep stage 04's reference for what they omit.
+    """
+    parts = {**PAGED_PARTS, **parts}
     num_blocks = num_blocks_for(config, sizing)
     pool = paged.PagedKVPool(num_blocks, config.block_size, **sizing.cache_shape(),
                              prepare_prefill=parts["prepare_prefill"],
@@ -112,13 +117,20 @@ class Composition:
     parts: dict  # API name -> reference piece of this stage's engine; components= replaces them
     attention: dict[str, AttentionFactory]  # the backends offered, best first
     learner_api: dict  # API name -> reference: every name the stage's starter.py defines
+    parts_run_on: str | None = None  # the one backend that runs the parts (None: every backend)
 
-    def resolve(self, stage: int, components: dict | None) -> dict:
+    def resolve(self, stage: int, components: dict | None, backend: str) -> dict:
         """The reference parts with the learner's components swapped in, every key checked."""
         components = dict(components or {})
         unknown = sorted(set(components) - set(self.parts))
         if unknown:
             raise ValueError(unknown_components_message(stage, unknown, sorted(self.parts)))
+        if components and self.parts_run_on not in (None, backend):
+            raise ValueError(
+                f"components {', '.join(sorted(components))} run only on stage {stage}'s "
+                f"{self.parts_run_on!r} backend, but {backend!r} was chosen; pass "
+                f"attention_backend={self.parts_run_on!r} (on a CPU with TRITON_INTERPRET=1)"
+            )
         return {**self.parts, **components}
 
 
@@ -130,6 +142,40 @@ def slab_attention(cache, parts: dict):
 def paged_torch_attention(pool, parts: dict):
     """Stage 04's torch backend: the learner's store_kvcache / gather_kv around the oracle."""
     return paged.TorchPagedAttention(pool, parts["store_kvcache"], parts["gather_kv"])
+
+
+def stage_04_attention(pool, parts: dict):
+    """The torch path of later stages: stage 04's reference store and gather, whatever parts."""
+    return paged.TorchPagedAttention(pool)
+
+
+def triton_store_attention(pool, parts: dict):
+    """Stage 05: the Triton store kernel writes; torch still gathers and attends."""
+    attention = paged.TorchPagedAttention(pool, store=parts["store_kvcache"])
+    attention.name = "triton"  # the kernels backend of stage 05: the store only
+    return attention
+
+
+def triton_paged_attention(pool, parts: dict):
+    """Stage 06: Triton stores, and Triton reads pages in place (prefill and split-K decode)."""
+    from nanoserve.kernels.triton_backend import TritonPagedAttention  # imports triton: lazily
+
+    return TritonPagedAttention(pool, parts["store_kvcache"], parts["paged_attention_prefill"],
+                                parts["paged_attention_decode"])  # fmt: skip
+
+
+def triton_kernel(module: str, name: str):
+    """A reference Triton function, imported on its first call (triton is a dev/gpu dependency,
+    not a run one: the demo installs no triton, and stages 00-04 never need it)."""
+
+    def call(*args, **kwargs):
+        return getattr(importlib.import_module(f"nanoserve.kernels.{module}"), name)(
+            *args, **kwargs
+        )
+
+    call.__name__ = call.__qualname__ = name
+    call.__module__ = f"nanoserve.kernels.{module}"
+    return call
 
 
 MODEL_API = {
@@ -157,6 +203,12 @@ PAGED_PARTS = {
     "prepare_decode": prepare_decode,
 }
 
+STORE_PARTS = {"store_kvcache": triton_kernel("store", "store_kvcache")}
+KERNEL_PARTS = {
+    "paged_attention_prefill": triton_kernel("paged_prefill", "paged_attention_prefill"),
+    "paged_attention_decode": triton_kernel("paged_decode", "paged_attention_decode"),
+}
+
 #   stage: Composition(builder, engine parts (replaceable), attention backends, learner API)
 COMPOSITIONS: dict[int, Composition] = {
     0: Composition(build_no_cache, {}, {"torch": lambda cache, parts: NoCacheAttention()},
@@ -170,6 +222,12 @@ COMPOSITIONS: dict[int, Composition] = {
                    {"torch": lambda cache, parts: SlotAttention(cache)},
                    {"BlockPosition": BlockPosition, "BlockTable": BlockTable}),
     4: Composition(build_paged, PAGED_PARTS, {"torch": paged_torch_attention}, PAGED_PARTS),
+    5: Composition(build_paged, STORE_PARTS,
+                   {"triton": triton_store_attention, "torch": stage_04_attention}, STORE_PARTS,
+                   parts_run_on="triton"),
+    6: Composition(build_paged, {**STORE_PARTS, **KERNEL_PARTS},
+                   {"triton": triton_paged_attention, "torch": stage_04_attention}, KERNEL_PARTS,
+                   parts_run_on="triton"),
 }  # fmt: skip
 
 
@@ -191,9 +249,9 @@ def build_engine(stage: int, config: EngineConfig, spec: ModelSpec, eos_ids, com
     """
     require_implemented(stage)
     composition = COMPOSITIONS[stage]
-    parts = composition.resolve(stage, components)  # before any slow loading
     choice = select_attention_backend(config.attention_backend, spec.device,
                                       tuple(composition.attention))  # fmt: skip
+    parts = composition.resolve(stage, components, choice.name)  # before any slow loading
     runner = ModelRunner(spec, model)
 
     def budget_bytes() -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
@@ -68,10 +69,12 @@ def select_attention_backend(requested: str, device: torch.device,
         if requested not in offered:
             raise ValueError(
                 f"attention_backend {requested!r} is not offered at this stage; it offers "
-                f"{', '.join(offered)} (the triton kernels arrive in stage 06)"
+                f"{', '.join(offered)} (the Triton kernels arrive in stages 05-06)"
             )
         if requested == "flash_attn" and not is_importable("flash_attn"):
             raise ValueError("attention_backend 'flash_attn' needs the flash-attn package")
+        if requested == "triton":
+            check_triton_runs_on(device)
         return BackendChoice(requested, "asked for")
     if device.type != "cuda":
         return BackendChoice("torch", f"auto on {device.type}: the torch oracle")
@@ -79,6 +82,17 @@ def select_attention_backend(requested: str, device: torch.device,
         if name == "torch" or is_importable(name):
             return BackendChoice(name, f"auto on cuda: the first of {', '.join(offered)} found")
     return BackendChoice("torch", "auto on cuda: no kernel package importable")
+
+
+def check_triton_runs_on(device: torch.device) -> None:
+    """ValueError unless Triton can run on device: a GPU, or a CPU through the interpreter."""
+    if not is_importable("triton"):
+        raise ValueError("attention_backend 'triton' needs the triton package (pip install triton)")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "attention_backend 'triton' on a CPU runs through Triton's interpreter: set "
+            "TRITON_INTERPRET=1 in the environment before Python starts (it is slow; for tests)"
+        )
 
 
 def log_choice(choice: BackendChoice) -> None:

@@ -1,0 +1,208 @@
+"""Stage 06's graded contract: your paged attention kernels against plain causal attention, and
+inside the engine.
+
+Run against any implementation with `pytest stages/06_paged_attention --impl ref|starter|yours.py`.
+Without a GPU the kernels run through Triton's interpreter (the repository's conftest.py sets
+TRITON_INTERPRET=1) on tiny shapes in float32 and float64, whose `tl.dot` the interpreter gets
+right. Every sequence's K/V sits on shuffled blocks of a pool whose other slots hold NaN, so a
+kernel that reads a slot it does not own returns NaN. The oracle is `attend` (stage 00's torch
+attention) over the K/V each sequence was given. Task 5 plugs your functions into the reference
+engine (`LLM(stage=6, attention_backend="triton", components=...)`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.kernels.attention import attend
+
+pytest.importorskip("triton", reason="stage 06 needs triton (pip install triton)")
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # a CPU: the interpreter
+
+TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}  # atol = rtol, against float64 attend
+SMALL = (4, 2, 16)  # (H, H_kv, D): GQA ratio 2
+SMOLLM2 = (9, 3, 64)  # ratio 3
+
+
+class Pages:
+    """One layer's paged K/V for a batch, on the device: sequence b's context_lens[b] positions
+    on shuffled blocks (its row of block_tables padded with -1), every slot nobody owns NaN."""
+
+    def __init__(self, context_lens, heads=SMALL, block_size=4, dtype=torch.float32, seed=0):
+        self.num_heads, num_kv_heads, self.head_dim = heads
+        self.dtype, self.context_lens = dtype, list(context_lens)
+        gen = torch.Generator().manual_seed(seed)
+        counts = [-(-n // block_size) for n in self.context_lens]
+        num_blocks = sum(counts) + 2  # two spare blocks: NaN, in nobody's table
+        free = torch.randperm(num_blocks, generator=gen).tolist()
+        self.tables = [[free.pop() for _ in range(count)] for count in counts]
+        width = max(counts) + 1  # at least one -1 after every row, as a static buffer has
+        rows = [table + [-1] * (width - len(table)) for table in self.tables]
+        self.block_tables = torch.tensor(rows, dtype=torch.int32, device=DEVICE)
+        self.lens = torch.tensor(self.context_lens, dtype=torch.int32, device=DEVICE)
+        shape = (num_blocks, block_size, num_kv_heads, self.head_dim)
+        self.k_cache = torch.full(shape, float("nan"), dtype=dtype)
+        self.v_cache = torch.full(shape, float("nan"), dtype=dtype)
+        self.kv = []  # per sequence: its (n, H_kv, D) keys and values, for the oracle
+        for table, n in zip(self.tables, self.context_lens):
+            k, v = (self.randn(gen, n, num_kv_heads, self.head_dim) for _ in "kv")
+            slots = [table[p // block_size] * block_size + p % block_size for p in range(n)]
+            self.k_cache.view(-1, num_kv_heads, self.head_dim)[slots] = k
+            self.v_cache.view(-1, num_kv_heads, self.head_dim)[slots] = v
+            self.kv.append((k, v))
+        self.k_cache, self.v_cache = self.k_cache.to(DEVICE), self.v_cache.to(DEVICE)
+
+    def randn(self, gen, *shape) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, dtype=torch.float64).to(self.dtype)
+
+    def queries(self, num_tokens: int, seed: int = 1) -> torch.Tensor:
+        """(num_tokens, H, D) random queries in the pool's dtype, on the device."""
+        gen = torch.Generator().manual_seed(seed)
+        return self.randn(gen, num_tokens, self.num_heads, self.head_dim).to(DEVICE)
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim**-0.5
+
+    def expected(self, q: torch.Tensor, b: int) -> torch.Tensor:
+        """Causal attention of sequence b's last len(q) positions over its context, float64."""
+        k, v = self.kv[b]
+        return attend(q.cpu().double(), k.double(), v.double(), self.scale)
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.cpu().double(), want, atol=tol, rtol=tol)
+
+
+def check_prefill(impl, pages: Pages, q_lens) -> None:
+    """The last q_lens[b] positions of each sequence as one packed prefill (or extend) step."""
+    cu = [0]
+    for n in q_lens:
+        cu.append(cu[-1] + n)
+    q = pages.queries(cu[-1])
+    cu_seqlens_q = torch.tensor(cu, dtype=torch.int32, device=DEVICE)
+    got = impl.paged_attention_prefill(q, pages.k_cache, pages.v_cache, cu_seqlens_q, pages.lens,
+                                       pages.block_tables, max(q_lens), pages.scale)  # fmt: skip
+    assert got.shape == q.shape and got.dtype == q.dtype
+    want = torch.cat([pages.expected(q[cu[b] : cu[b + 1]], b) for b in range(len(q_lens))])
+    assert_close(got, want, pages.dtype)
+
+
+def check_decode(impl, pages: Pages, **launch) -> torch.Tensor:
+    """One query per sequence at its last position; rows with context 0 must come back as 0."""
+    q = pages.queries(len(pages.context_lens))
+    got = impl.paged_attention_decode(q, pages.k_cache, pages.v_cache, pages.lens,
+                                      pages.block_tables, pages.scale, **launch)  # fmt: skip
+    assert got.shape == q.shape and got.dtype == q.dtype
+    assert torch.isfinite(got).all(), "a NaN: some program read a slot its sequence does not own"
+    for b, n in enumerate(pages.context_lens):
+        if n == 0:
+            assert not got[b].any(), f"row {b} is padding (context 0): its output must be 0"
+        else:
+            assert_close(got[b : b + 1], pages.expected(q[b : b + 1], b), pages.dtype)
+    return got
+
+
+# ---- task 1: prefill of whole prompts, read through the block table ----
+
+
+def test_task_1_one_prompt_on_scattered_pages_matches_causal_attention(impl):
+    check_prefill(impl, Pages([11]), [11])  # 3 blocks of 4, in shuffled order
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_task_1_a_packed_batch_of_ragged_prompts(impl, dtype):
+    lens = [5, 1, 8, 13]  # past, below, at and past block boundaries of 4
+    check_prefill(impl, Pages(lens, dtype=dtype), lens)
+
+
+@pytest.mark.parametrize("heads", [(2, 2, 16), SMOLLM2, (4, 1, 32)], ids=["gqa1", "gqa3", "gqa4"])
+def test_task_1_every_query_head_reads_its_own_kv_head(impl, heads):
+    check_prefill(impl, Pages([6, 9], heads=heads), [6, 9])
+
+
+# ---- task 2: a cached prefix, and prompts longer than a tile ----
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_task_2_the_seeds_extend_step_attends_over_the_cached_prefix(impl, dtype):
+    # cu_seqlens_q [0, 3, 5], context_lens [7, 9]: 3 new tokens on 4 cached, 2 on 7
+    check_prefill(impl, Pages([7, 9], dtype=dtype), [3, 2])
+
+
+def test_task_2_prompts_longer_than_one_query_tile_and_one_key_tile(impl):
+    check_prefill(impl, Pages([70, 40], heads=(2, 1, 16)), [70, 33])
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_task_2_any_block_size(impl, block_size):
+    check_prefill(impl, Pages([17, 5], block_size=block_size), [9, 5])
+
+
+# ---- task 3: decode, one program per sequence and KV group ----
+
+
+def test_task_3_decode_matches_attention_of_the_last_position(impl):
+    check_decode(impl, Pages([1, 4, 5, 13, 30]))
+
+
+@pytest.mark.parametrize("heads", [(2, 2, 16), SMOLLM2, (4, 1, 32)], ids=["gqa1", "gqa3", "gqa4"])
+def test_task_3_all_query_heads_of_a_group_share_their_kv_head(impl, heads):
+    check_decode(impl, Pages([9, 16, 17], heads=heads))
+
+
+def test_task_3_padding_rows_give_zeros_and_read_nothing(impl):
+    check_decode(impl, Pages([6, 0, 9, 0], dtype=torch.float64))  # rows 1, 3: a graph's padding
+
+
+# ---- task 4: split-K, and the reduce that merges the partitions ----
+
+
+@pytest.mark.parametrize("partition_size", [32, 64])
+def test_task_4_partitions_merge_to_the_same_attention(impl, partition_size):
+    # a table of 26 blocks of 4 = 104 positions: 4 partitions of 32, or 2 of 64
+    check_decode(impl, Pages([100, 33, 1, 64]), partition_size=partition_size)
+
+
+def test_task_4_empty_partitions_and_padding_rows_add_nothing(impl):
+    pages = Pages([70, 0, 5], heads=SMOLLM2, dtype=torch.float64)  # 3 partitions of 32
+    check_decode(impl, pages, partition_size=32)
+
+
+# ---- task 5: the engine attends with your kernels ----
+
+PROMPT_LENS = (3, 5, 9)  # below, at and past block boundaries of block_size 4
+ENGINE = dict(device=DEVICE.type, dtype="float64", block_size=4, max_model_len=64, num_kv_blocks=32)
+PIECES = ("paged_attention_prefill", "paged_attention_decode")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    gen = torch.Generator().manual_seed(6)
+    return [torch.randint(256, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+
+
+def greedy(llm: LLM, prompts) -> list[list[int]]:
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    return [out.token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def stage_04_tokens(tiny_llama_folder, prompts):
+    return greedy(LLM(tiny_llama_folder, stage=4, **ENGINE), prompts)
+
+
+@pytest.mark.parametrize("pieces", [PIECES[:1], PIECES[1:], PIECES], ids=["prefill", "decode",
+                                                                           "both"])  # fmt: skip
+def test_task_5_the_engine_on_your_kernels_gives_stage_04_tokens(
+    impl, tiny_llama_folder, prompts, stage_04_tokens, pieces
+):
+    # float64: the kernels sum in another order than torch, ~1e-16 apart, far from a tie
+    components = {name: getattr(impl, name) for name in pieces}
+    llm = LLM(tiny_llama_folder, stage=6, attention_backend="triton", components=components,
+              **ENGINE)  # fmt: skip
+    assert greedy(llm, prompts) == stage_04_tokens
