@@ -27,6 +27,7 @@ class EngineConfig:
     kv_cache_bytes: int | None = None  # stage 01+: CPU budget for the cache (default 1 GiB)
     gpu_memory_utilization: float = 0.9  # stage 01+: share of GPU memory the engine may use
     enable_chunked_prefill: bool = False  # stage 07+: prefill long prompts over several steps
+    enforce_eager: bool = False  # stage 08: never capture CUDA graphs (debugging, profiling)
     attention_backend: str = "auto"  # stage 04+: "auto" picks per device; the engine's backend
     # selector checks the name (it lives above config), so here it need only be a non-empty str
 
@@ -49,12 +50,8 @@ class EngineConfig:
             backend,
             'a non-empty backend name such as "auto"',
         )
-        _require(
-            isinstance(self.enable_chunked_prefill, bool),
-            "enable_chunked_prefill",
-            self.enable_chunked_prefill,
-            "a bool",
-        )
+        for name in ("enable_chunked_prefill", "enforce_eager"):
+            _require(isinstance(getattr(self, name), bool), name, getattr(self, name), "a bool")
         _require(
             self.enable_chunked_prefill or self.max_num_batched_tokens >= self.max_model_len,
             "max_num_batched_tokens",

@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from nanoserve.config import engine_config_for
-from nanoserve.engine.compositions import build_engine
+from nanoserve.engine.assemble import build_engine
 from nanoserve.models.loader import load_model_config, load_tokenizer, model_source
 from nanoserve.models.registry import DEFAULT_MODEL
 from nanoserve.sampling import SamplingParams

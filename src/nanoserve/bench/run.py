@@ -120,7 +120,7 @@ def drive(engine, prompts: list[list[int]], params: list) -> list:
 
 def run_nanoserve(spec, model, stage: int, config: EngineConfig, workload: Workload) -> BenchResult:
     """Build the stage's engine on `model`, warm it up, and time the whole workload."""
-    from nanoserve.engine.compositions import build_engine
+    from nanoserve.engine.assemble import build_engine
     from nanoserve.sampling import SamplingParams
 
     device = spec.device

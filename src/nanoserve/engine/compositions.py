@@ -1,10 +1,10 @@
-"""Stage compositions: the one table of what each stage's engine is made of, and the builder.
+"""Stage compositions: the one table of what each stage's engine is made of.
 
-Introduced when the seams were drawn (before stage 05). Per stage: the cache manager (control
-plane), the KV cache (data plane), the pieces a learner may replace with `components=` (by the
-API names their starter defines), and the attention backends it offers, best first.
-`build_engine(stage=N)` is how `LLM(stage=N)` gets "the engine as of stage N", so the
-equivalence chain between stages is a plain test. A new stage adds one row.
+Introduced when the seams were drawn (before stage 05). Per stage: the builder of its cache
+manager (control plane) and KV cache (data plane), the pieces a learner may replace with
+`components=` (by the API names their starter defines), the attention backends it offers (best
+first), and its learner API. `engine/assemble.py` builds an engine from a row; a new stage adds
+one row, so the equivalence chain between stages stays a plain test.
 """
 
 from __future__ import annotations
@@ -18,27 +18,28 @@ import torch
 
 from nanoserve.cache import contiguous, paged
 from nanoserve.cache.attention_metadata import prepare_decode, prepare_prefill
-from nanoserve.cache.budget import kv_budget_bytes, kv_bytes_per_token, units_in_budget
+from nanoserve.cache.budget import kv_bytes_per_token, units_in_budget
 from nanoserve.cache.no_cache import NoCache
 from nanoserve.cache.slot_cache import SlotAttention, SlotKVCache
 from nanoserve.config import EngineConfig
 from nanoserve.engine.allocator import BlockAllocator, OutOfBlocks
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.block_table import BlockPosition, BlockTable
+from nanoserve.engine.cuda_graphs import (
+    bucket_for,
+    fill_static,
+    graph_buckets,
+)
 from nanoserve.engine.kv_manager import NoCacheManager
-from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.engine.model_runner import ModelRunner
+from nanoserve.engine.prefix_block_manager import PrefixBlockManager, chain_hash
 from nanoserve.engine.slab_manager import SlabManager
 from nanoserve.engine.table_manager import build_table_manager
 from nanoserve.kernels.attention import NoCacheAttention, attend
-from nanoserve.kernels.backend import log_choice, select_attention_backend
 from nanoserve.layers.norm import rms_norm
 from nanoserve.layers.rotary import apply_rotary, rope_cos_sin, rope_inv_freq, rotate_half
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.decoder import swiglu
 from nanoserve.sampling import filter_probs, sample_one
-from nanoserve.stages import require_implemented
-from nanoserve.types import ModelSpec
 
 
 class Sizing(NamedTuple):
@@ -118,6 +119,7 @@ class Composition:
     attention: dict[str, AttentionFactory]  # the backends offered, best first
     learner_api: dict  # API name -> reference: every name the stage's starter.py defines
     parts_run_on: str | None = None  # the one backend that runs the parts (None: every backend)
+    captures_decode: bool = False  # stage 08: decode steps replay CUDA graphs (on a GPU)
 
     def resolve(self, stage: int, components: dict | None, backend: str) -> dict:
         """The reference parts with the learner's components swapped in, every key checked."""
@@ -162,6 +164,16 @@ def triton_paged_attention(pool, parts: dict):
 
     return TritonPagedAttention(pool, parts["store_kvcache"], parts["paged_attention_prefill"],
                                 parts["paged_attention_decode"])  # fmt: skip
+
+
+def reference_triton_attention(pool, parts: dict):
+    """Stages 07-08: stage 06's reference kernels (their learners write other pieces)."""
+    return triton_paged_attention(pool, {**STORE_PARTS, **KERNEL_PARTS})
+
+
+def build_prefix_cached(config: EngineConfig, sizing: Sizing, parts: dict):
+    """Stage 07 on: stage 04's pool, with a block manager that shares cached prefixes."""
+    return build_paged(config, sizing, {"BlockManager": parts["PrefixBlockManager"]})
 
 
 def triton_kernel(module: str, name: str):
@@ -209,6 +221,10 @@ KERNEL_PARTS = {
     "paged_attention_decode": triton_kernel("paged_decode", "paged_attention_decode"),
 }
 
+PREFIX_PARTS = {"PrefixBlockManager": PrefixBlockManager}
+GRAPH_API = {"graph_buckets": graph_buckets, "bucket_for": bucket_for, "fill_static": fill_static}
+LATER_BACKENDS = {"triton": reference_triton_attention, "torch": stage_04_attention}
+
 #   stage: Composition(builder, engine parts (replaceable), attention backends, learner API)
 COMPOSITIONS: dict[int, Composition] = {
     0: Composition(build_no_cache, {}, {"torch": lambda cache, parts: NoCacheAttention()},
@@ -228,6 +244,10 @@ COMPOSITIONS: dict[int, Composition] = {
     6: Composition(build_paged, {**STORE_PARTS, **KERNEL_PARTS},
                    {"triton": triton_paged_attention, "torch": stage_04_attention}, KERNEL_PARTS,
                    parts_run_on="triton"),
+    7: Composition(build_prefix_cached, PREFIX_PARTS, LATER_BACKENDS,
+                   {"chain_hash": chain_hash, **PREFIX_PARTS}),
+    8: Composition(build_prefix_cached, PREFIX_PARTS, LATER_BACKENDS, GRAPH_API,
+                   captures_decode=True),
 }  # fmt: skip
 
 
@@ -239,28 +259,3 @@ def unknown_components_message(stage: int, unknown: list[str], valid: list[str])
     hint = f" ({homes[0]})" if homes else ""
     return (f"components {', '.join(map(repr, unknown))} are not parts of stage {stage}'s "
             f"engine{hint}; stage {stage} takes {takes}")  # fmt: skip
-
-
-def build_engine(stage: int, config: EngineConfig, spec: ModelSpec, eos_ids, components=None,
-                 model=None) -> LLMEngine:  # fmt: skip
-    """The engine as of `stage`: the shared loop plus that stage's manager, cache and backend.
-
-    The runner builds the model from `spec` (or reuses `model`, built from the same spec).
-    """
-    require_implemented(stage)
-    composition = COMPOSITIONS[stage]
-    choice = select_attention_backend(config.attention_backend, spec.device,
-                                      tuple(composition.attention))  # fmt: skip
-    parts = composition.resolve(stage, components, choice.name)  # before any slow loading
-    runner = ModelRunner(spec, model)
-
-    def budget_bytes() -> int:
-        on_cuda = spec.device.type == "cuda"
-        return kv_budget_bytes(config, spec.device,
-                               runner.warmup_peak_bytes(config) if on_cuda else 0)  # fmt: skip
-
-    sizing = Sizing(runner.model.config, spec.dtype, spec.device, budget_bytes)
-    manager, cache = composition.build(config, sizing, parts)
-    runner.bind(cache, composition.attention[choice.name](cache, parts))
-    log_choice(choice)
-    return LLMEngine(config, runner, manager, eos_ids, choice)
