@@ -41,8 +41,11 @@ class Heads(NamedTuple):
 TINY = Heads(4, 2, 16)  # GQA ratio 2
 SMOLLM2 = Heads(9, 3, 64)  # ratio 3; H_kv * D = 192, not a power of two
 QWEN3 = Heads(16, 8, 128)  # Qwen3-0.6B
+# On a GPU Triton passes the softmax scale as a float32 scalar, so float64 there is only as
+# exact as that rounding (~1e-7 relative); the interpreter keeps it in float64.
+FLOAT64_TOL = 1e-12 if not torch.cuda.is_available() else 1e-5
 TOLERANCE = {  # (atol, rtol) against a float64 torch reference
-    torch.float64: (1e-12, 1e-12),
+    torch.float64: (FLOAT64_TOL, FLOAT64_TOL),
     torch.float32: (1e-5, 1e-5),
     torch.float16: (5e-3, 5e-3),
     torch.bfloat16: (1.5e-2, 1e-2),

@@ -22,7 +22,9 @@ pytest.importorskip("triton", reason="stage 06 needs triton (pip install triton)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # a CPU: the interpreter
 
-TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}  # atol = rtol, against float64 attend
+# atol = rtol, against float64 attend. On a GPU Triton passes the softmax scale as a float32
+# scalar, so float64 is only as exact as that rounding there; the interpreter keeps float64.
+TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12 if DEVICE.type == "cpu" else 1e-5}
 SMALL = (4, 2, 16)  # (H, H_kv, D): GQA ratio 2
 SMOLLM2 = (9, 3, 64)  # ratio 3
 
