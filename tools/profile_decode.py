@@ -19,6 +19,7 @@ import torch
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine.cuda_graphs import DecodeGraphs, table_width
+from nanoserve.layers.compiled import fuse_small_ops
 
 
 class Laps:
@@ -64,10 +65,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--graphs", action="store_true", help="capture decode graphs first")
+    parser.add_argument("--fuse", action="store_true", help="torch.compile the small ops first")
     args = parser.parse_args()
     llm = LLM(args.model, stage=args.stage, max_num_seqs=max(args.batch, 1),
               attention_backend=args.attention_backend)  # fmt: skip
     engine, runner = llm.engine, llm.engine.runner
+    if args.fuse:
+        fuse_small_ops(runner.model)
     if args.graphs and runner.graphs is None:
         runner.graphs = DecodeGraphs(runner.model, runner.attention, args.batch,
                                      table_width(llm.config.max_model_len, llm.config.block_size),

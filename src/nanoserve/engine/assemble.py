@@ -15,6 +15,7 @@ from nanoserve.engine.cuda_graphs import DecodeGraphs, table_width
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.kernels.backend import log_choice, logger, select_attention_backend
+from nanoserve.layers.compiled import fuse_small_ops
 from nanoserve.stages import require_implemented
 from nanoserve.types import ModelSpec
 
@@ -47,7 +48,8 @@ def build_engine(stage: int, config: EngineConfig, spec: ModelSpec, eos_ids, com
 
 
 def capture_decode_graphs(runner: ModelRunner, config: EngineConfig, backend: str) -> None:
-    """Stage 08: record decode graphs once the pool exists, or say (once) why decode stays eager."""
+    """Stage 08: fuse the small ops and record decode graphs once the pool exists, or say (once)
+    why decode stays eager."""
     why_eager = None
     if runner.device.type != "cuda":
         why_eager = f"on {runner.device.type} there is nothing to capture: stage 08 runs as 07"
@@ -58,6 +60,7 @@ def capture_decode_graphs(runner: ModelRunner, config: EngineConfig, backend: st
     if why_eager is not None:
         logger.info("CUDA graphs off: %s", why_eager)
         return
+    fuse_small_ops(runner.model)  # compiled norm / RoPE / SiLU-mul, captured like the rest
     width = table_width(config.max_model_len, config.block_size)
     runner.graphs = DecodeGraphs(runner.model, runner.attention, config.max_num_seqs, width,
                                  runner.device)  # fmt: skip

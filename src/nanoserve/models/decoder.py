@@ -37,6 +37,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
+        self.rotate = apply_rotary  # layers/compiled.py may swap in a fused version on a GPU
 
     def forward(self, x: torch.Tensor, rope: tuple, attn, metadata) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -45,7 +46,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
+        q, k = self.rotate(q, k, *rope)
         out = attn.forward(self.layer_id, q, k, v, self.scale, metadata)  # (T, H, D)
         return self.o_proj(out.reshape(num_tokens, -1))
 
