@@ -132,3 +132,22 @@ def test_stage6_triton_logits_match_the_torch_reference_on_cuda(tiny_checkpoints
     torch_err = (torch_bf16 - want).abs().max().item()
     triton_err = (triton_bf16 - want).abs().max().item()
     assert triton_err <= 2 * torch_err + 1e-3 * want.abs().max().item(), (triton_err, torch_err)
+
+
+def test_qwen3_shape_bf16_stage8_graphs_match_stage6_eager_on_cuda_up_to_top5(prompts):
+    options = dict(dtype="bfloat16", max_num_seqs=16, num_kv_blocks=2048)
+    ref = LLM("qwen3-0.6b", stage=6, **options)
+    got = LLM("qwen3-0.6b", stage=8, **options)
+    assert got.engine.runner.graphs is not None, "stage 8 on CUDA captures decode graphs"
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    ids = [[(13 * i + 7 * j) % 10000 for j in range(20 + 9 * i)] for i in range(12)]
+    ref_out = ref.generate(ids, params, use_tqdm=False)
+    got_out = got.generate(ids, params, use_tqdm=False)
+    for prompt, a, b in zip(ids, ref_out, got_out):
+        assert_same_up_to_top5_divergence(ref, got, prompt, a.token_ids, b.token_ids)
+
+
+def test_stage8_with_enforce_eager_captures_nothing(tiny_checkpoints):
+    folder, _ = tiny_checkpoints["qwen3"]
+    llm = LLM(str(folder), stage=8, device="cuda", num_kv_blocks=64, enforce_eager=True)
+    assert llm.engine.runner.graphs is None
