@@ -74,6 +74,20 @@ def test_stage_reproduces_its_oracle_on_smollm2_in_float32(smollm2_llm, stage):
     assert greedy_tokens(candidate, SMOLLM2_PROMPTS, 24) == expected
 
 
+# ---- stage 08 on a CPU: a documented pass-through. There is nothing to capture off CUDA, so
+# its engine is stage 07's (the chain above leaves it out: it offers the Triton kernels) ----
+
+
+def test_stage08_on_a_cpu_captures_nothing_and_reproduces_stage07(tiny_checkpoints):
+    folder, _ = tiny_checkpoints["qwen3"]  # one family: on a CPU the engine is stage 07's own
+    small = dict(device="cpu", dtype="float64", max_model_len=128, max_num_seqs=6, block_size=4)
+    stage08 = LLM(str(folder), stage=8, **small)
+    assert stage08.engine.runner.graphs is None, "no CUDA graph on a CPU"
+    oracle = LLM(str(folder), stage=stage08.stage.oracle_stage, **small)
+    prompts = random_prompts(256)
+    assert greedy_tokens(stage08, prompts, 64) == greedy_tokens(oracle, prompts, 64)
+
+
 # ---- the Triton stages: through the interpreter on a CPU (conftest.py sets TRITON_INTERPRET),
 # compiled on a GPU; float64 either way ----
 

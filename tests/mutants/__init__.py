@@ -91,9 +91,10 @@ def write_unmutated(stage: int, module: str, folder: Path) -> Path:
 
 def all_mutants() -> list[Mutant]:
     """Every mutant of every stage, in stage order."""
-    from tests.mutants import stage_01, stage_02, stage_03, stage_04
+    from tests.mutants import stage_01, stage_02, stage_03, stage_04, stage_08
 
-    return [m for stage in (stage_01, stage_02, stage_03, stage_04) for m in stage.MUTANTS]
+    stages = (stage_01, stage_02, stage_03, stage_04, stage_08)
+    return [m for stage in stages for m in stage.MUTANTS]
 
 
 def grade(stage: int, impl: Path, extra_args=("-x",)) -> tuple[tuple[TestResult, ...], int, str]:
