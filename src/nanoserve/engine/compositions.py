@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from nanoserve.cache import contiguous, paged
-from nanoserve.cache.attention_metadata import prepare_decode, prepare_prefill
+from nanoserve.cache.attention_metadata import pad_decode, prepare_decode, prepare_prefill
 from nanoserve.cache.budget import kv_bytes_per_token, units_in_budget
 from nanoserve.cache.no_cache import NoCache
 from nanoserve.cache.slot_cache import SlotAttention, SlotKVCache
@@ -222,7 +222,12 @@ KERNEL_PARTS = {
 }
 
 PREFIX_PARTS = {"PrefixBlockManager": PrefixBlockManager}
-GRAPH_API = {"graph_buckets": graph_buckets, "bucket_for": bucket_for, "fill_static": fill_static}
+GRAPH_API = {
+    "graph_buckets": graph_buckets,
+    "bucket_for": bucket_for,
+    "pad_decode": pad_decode,
+    "fill_static": fill_static,
+}
 LATER_BACKENDS = {"triton": reference_triton_attention, "torch": stage_04_attention}
 
 #   stage: Composition(builder, engine parts (replaceable), attention backends, learner API)
