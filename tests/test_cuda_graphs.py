@@ -21,6 +21,7 @@ from nanoserve.engine.cuda_graphs import (
     table_width,
     view_rows,
 )
+from nanoserve.testing import RerunGraph
 from nanoserve.types import Sequence
 
 
@@ -130,24 +131,6 @@ def test_a_step_replays_only_if_it_is_a_decode_that_fits_a_bucket_and_the_table_
 # ---- the engine's replay path: real graphs on a GPU, stand-ins for them on a CPU ----
 
 
-class Rerun:
-    """A CPU stand-in for one captured decode graph: made once per bucket on the views of the
-    static buffers, replay() runs the model again on those views into the same output tensor.
-    Like a graph, it reads nothing but what the static buffers hold when it replays."""
-
-    def __init__(self, graphs: DecodeGraphs, bucket: int):
-        self.model, self.attention = graphs.model, graphs.attention
-        self.inputs = view_rows(graphs.static, bucket)
-        self.output = graphs.outputs[bucket] = self.forward()
-
-    def forward(self) -> torch.Tensor:
-        inputs = self.inputs
-        return self.model(inputs.input_ids, inputs.positions, self.attention, inputs.metadata)
-
-    def replay(self) -> None:
-        self.output.copy_(self.forward())
-
-
 MAX_MODEL_LEN, MAX_NUM_SEQS = 40, 20  # 20: the largest bucket is off the 16-grid
 ENGINE = dict(dtype="float64", block_size=4, max_model_len=MAX_MODEL_LEN,
               max_num_seqs=MAX_NUM_SEQS, num_kv_blocks=256)  # fmt: skip
@@ -157,7 +140,7 @@ POOL_TOLERANCE = {"cpu": 1e-12, "cuda": 1e-9}  # K/V summed in another order tha
 @torch.inference_mode()
 def capture_reruns(graphs: DecodeGraphs) -> None:
     for bucket in graphs.buckets:
-        graphs.graphs[bucket] = Rerun(graphs, bucket)
+        graphs.graphs[bucket] = RerunGraph(graphs, bucket)
 
 
 def run_to_max_model_len(folder, lengths, width=None, device="cpu"):

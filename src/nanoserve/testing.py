@@ -84,3 +84,23 @@ def next_token_logits(model, token_ids: list[int]) -> torch.Tensor:
     inputs = pack_step([seq], [[]], 1, device, is_prefill=True, from_start=True)
     hidden = model(inputs.input_ids, inputs.positions, NoCacheAttention(), inputs.metadata)
     return model.compute_logits(hidden[-1:])[0].float().cpu()
+
+
+class RerunGraph:
+    """A CPU stand-in for one captured decode graph (stage 08's tests): made once per bucket on
+    the views of the static buffers, as a capture is; replay() runs the model again on those same
+    views into the same output tensor. Like a graph, it reads only what the buffers hold."""
+
+    def __init__(self, graphs, bucket: int):
+        from nanoserve.engine.cuda_graphs import view_rows
+
+        self.model, self.attention = graphs.model, graphs.attention
+        self.inputs = view_rows(graphs.static, bucket)
+        self.output = graphs.outputs[bucket] = self.forward()
+
+    def forward(self) -> torch.Tensor:
+        inputs = self.inputs
+        return self.model(inputs.input_ids, inputs.positions, self.attention, inputs.metadata)
+
+    def replay(self) -> None:
+        self.output.copy_(self.forward())

@@ -22,6 +22,7 @@ from nanoserve.cache.attention_metadata import pad_decode as reference_pad_decod
 from nanoserve.cache.attention_metadata import prepare_decode
 from nanoserve.engine import cuda_graphs
 from nanoserve.engine.cuda_graphs import DecodeGraphs, static_decode_inputs, table_width, view_rows
+from nanoserve.testing import RerunGraph
 from nanoserve.types import Sequence, StepInputs
 
 API = ("graph_buckets", "bucket_for", "pad_decode", "fill_static")
@@ -251,24 +252,6 @@ def greedy(llm: LLM) -> list[list[int]]:
     return [out.token_ids for out in llm.generate(*requests(), use_tqdm=False)]
 
 
-class Rerun:
-    """A CPU stand-in for one captured decode graph. Made once per bucket on the views of the
-    static buffers, as a capture is; replay() runs the model again on those same views and writes
-    the result into the same output tensor. Like a graph, it sees only what the buffers hold."""
-
-    def __init__(self, graphs: DecodeGraphs, bucket: int):
-        self.model, self.attention = graphs.model, graphs.attention
-        self.inputs = view_rows(graphs.static, bucket)
-        self.output = graphs.outputs[bucket] = self.forward()
-
-    def forward(self) -> torch.Tensor:
-        inputs = self.inputs
-        return self.model(inputs.input_ids, inputs.positions, self.attention, inputs.metadata)
-
-    def replay(self) -> None:
-        self.output.copy_(self.forward())
-
-
 @pytest.fixture
 def your_pieces(impl, monkeypatch):
     """DecodeGraphs, the engine's graph runner, calls your four functions from here on."""
@@ -294,7 +277,7 @@ def replaying_engine(folder, device: str, capture) -> tuple[LLM, list[int]]:
 @torch.inference_mode()
 def capture_reruns(graphs: DecodeGraphs) -> None:
     for bucket in graphs.buckets:
-        graphs.graphs[bucket] = Rerun(graphs, bucket)
+        graphs.graphs[bucket] = RerunGraph(graphs, bucket)
 
 
 def test_task_4_the_engine_replays_through_your_pieces_and_gives_the_eager_tokens(
