@@ -28,4 +28,3 @@ def on_files(files, config, **kwargs):
             )
         )
     return files
-
