@@ -184,3 +184,89 @@ def test_stage06_triton_logits_equal_the_torch_references_in_float64(tiny_checkp
     # scale to a float32 scalar, so there the logits agree to ~1e-7
     tolerance = 1e-12 if model.lm_head.weight.device.type == "cpu" else 1e-5
     torch.testing.assert_close(got, want, atol=tolerance, rtol=0)
+
+
+# ---- stage 07 against stage 06: the same tokens from fewer computed prompt tokens. Each workload
+# is a script of generate() calls, played on both engines; later calls and later waves (at most
+# max_num_seqs are admitted per step) find the blocks earlier ones computed ----
+
+SHARING_MAX_TOKENS = 12
+
+
+def system_prompt(generate):
+    """Ten requests behind one 32-token system prompt (8 full blocks), in waves of four."""
+    rng = random.Random(1)
+    system = [rng.randrange(256) for _ in range(32)]
+    suffixes = (1, 3, 4, 5, 8, 9, 12, 2, 7, 16)
+    return generate([system + [rng.randrange(256) for _ in range(n)] for n in suffixes])
+
+
+def multi_turn(generate):
+    """Three chats of three turns: each prompt is the whole chat so far plus a new message."""
+    rng = random.Random(2)
+    chats = [[rng.randrange(256) for _ in range(n)] for n in (5, 9, 12)]
+    outputs = []
+    for turn in range(3):
+        replies = generate(chats)
+        outputs += replies
+        chats = [chat + reply + [rng.randrange(256) for _ in range(3 + turn)]
+                 for chat, reply in zip(chats, replies)]  # fmt: skip
+    return outputs
+
+
+def identical_prompts(generate):
+    """Four identical prompts admitted in one step (nothing computed yet: each computes its own
+    blocks), then the same prompt twice more."""
+    prompt = [random.Random(3).randrange(256) for _ in range(18)]
+    return generate([prompt] * 4) + generate([prompt] * 2)
+
+
+def block_multiples(generate):
+    """Prompts of exactly 1, 2, 3, 4 and 6 blocks, then the same again: fully cached, each still
+    computes its last block."""
+    rng = random.Random(4)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (4, 8, 12, 16, 24)]
+    return generate(prompts) + generate(prompts)
+
+
+SHARING_WORKLOADS = {
+    "system-prompt": (system_prompt, 256),
+    "system-prompt-preempting": (system_prompt, 24),
+    "multi-turn": (multi_turn, 256),
+    "identical-prompts": (identical_prompts, 256),
+    "block-multiples": (block_multiples, 256),
+}
+
+
+def play(folder, stage: int, workload, num_kv_blocks: int):
+    """(tokens, prompt tokens computed, preemptions) of one workload on one stage's engine."""
+    llm = LLM(str(folder), stage=stage, device=DEVICE, dtype="float64", block_size=4,
+              max_model_len=96, max_num_seqs=4, num_kv_blocks=num_kv_blocks)  # fmt: skip
+
+    def generate(prompts):
+        params = SamplingParams(max_tokens=SHARING_MAX_TOKENS, ignore_eos=True)
+        return [out.token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+
+    tokens = workload(generate)
+    engine = llm.engine
+    assert engine.manager.num_free_blocks == num_kv_blocks, f"stage {stage} leaked blocks"
+    return tokens, engine.num_prefill_tokens, engine.scheduler.num_preemptions
+
+
+@pytest.mark.parametrize("name", SHARING_WORKLOADS)
+def test_stage07_gives_stage06_tokens_from_fewer_computed_prompt_tokens(
+    tiny_checkpoints, name, record_property
+):
+    workload, num_kv_blocks = SHARING_WORKLOADS[name]
+    folder, _ = tiny_checkpoints["qwen3"]
+    expected, stage06_prefill, _ = play(folder, 6, workload, num_kv_blocks)
+    tokens, stage07_prefill, preemptions = play(folder, 7, workload, num_kv_blocks)
+    report = (
+        f"{name}: prompt tokens computed, stage 06 {stage06_prefill}, stage 07 {stage07_prefill}"
+    )
+    record_property("prefill_tokens", report)
+    print(report)
+    assert tokens == expected
+    assert stage07_prefill < stage06_prefill, report
+    if num_kv_blocks < 256:
+        assert preemptions > 0, "the pool was meant to run dry"

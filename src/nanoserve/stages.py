@@ -105,7 +105,7 @@ STAGES: tuple[Stage, ...] = (
     Stage(7, "07_prefix_cache", "Prefix cache",
           "chained hashes of full blocks, ref counts, sharing cached pages",
           "stage 06 (fewer prefill tokens, same output)",
-          ("engine/prefix_block_manager.py",), False, _P),
+          ("engine/prefix_block_manager.py",), False, _I, has_notebook=True),
     Stage(8, "08_cuda_graphs", "CUDA graphs",
           "captured decode graphs per batch-size bucket, static input buffers", "stage 07",
           ("engine/cuda_graphs.py", "cache/attention_metadata.py", "layers/compiled.py"), True,

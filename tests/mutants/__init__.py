@@ -91,9 +91,18 @@ def write_unmutated(stage: int, module: str, folder: Path) -> Path:
 
 def all_mutants() -> list[Mutant]:
     """Every mutant of every stage, in stage order."""
-    from tests.mutants import stage_01, stage_02, stage_03, stage_04, stage_05, stage_06, stage_08
+    from tests.mutants import (
+        stage_01,
+        stage_02,
+        stage_03,
+        stage_04,
+        stage_05,
+        stage_06,
+        stage_07,
+        stage_08,
+    )
 
-    stages = (stage_01, stage_02, stage_03, stage_04, stage_05, stage_06, stage_08)
+    stages = (stage_01, stage_02, stage_03, stage_04, stage_05, stage_06, stage_07, stage_08)
     return [m for stage in stages for m in stage.MUTANTS]
 
 
