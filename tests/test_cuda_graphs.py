@@ -249,3 +249,18 @@ def test_graph_replay_gives_the_eager_tokens_for_every_batch_size(tiny_checkpoin
     runner.graphs.replay = lambda step: replays.append(step.metadata.num_seqs) or original(step)
     assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == eager
     assert replays, "no decode step was replayed"
+
+
+def test_fused_small_ops_can_be_undone_so_a_shared_model_runs_plain_again(tiny_checkpoints):
+    from nanoserve.layers.compiled import fuse_small_ops, unfuse_small_ops
+    from nanoserve.layers.norm import RMSNorm
+    from nanoserve.layers.rotary import apply_rotary
+
+    folder, _ = tiny_checkpoints["qwen3"]
+    model = LLM(str(folder), stage=0, device="cpu", dtype="float64").model
+    assert fuse_small_ops(model) > 0  # compiles lazily: nothing runs here
+    unfuse_small_ops(model)
+    for module in model.modules():
+        assert "forward" not in module.__dict__
+        if isinstance(module, RMSNorm) or hasattr(module, "rotate"):
+            assert getattr(module, "rotate", apply_rotary) is apply_rotary

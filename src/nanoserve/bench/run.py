@@ -121,6 +121,7 @@ def drive(engine, prompts: list[list[int]], params: list) -> list:
 def run_nanoserve(spec, model, stage: int, config: EngineConfig, workload: Workload) -> BenchResult:
     """Build the stage's engine on `model`, warm it up, and time the whole workload."""
     from nanoserve.engine.assemble import build_engine
+    from nanoserve.layers.compiled import unfuse_small_ops
     from nanoserve.sampling import SamplingParams
 
     device = spec.device
@@ -137,6 +138,7 @@ def run_nanoserve(spec, model, stage: int, config: EngineConfig, workload: Workl
     prefill_tokens = engine.num_prefill_tokens - prefill_before
     output_tokens = sum(seq.num_completion_tokens for seq in seqs)
     name = f"nanoserve stage {stage} ({engine.attention.name})"
+    unfuse_small_ops(model)  # stage 08 fused the shared model's small ops: the next stage must not
     del engine, seqs
     release_memory(device)
     return BenchResult(name, output_tokens, seconds, preemptions, prefill_tokens=prefill_tokens)

@@ -43,3 +43,11 @@ def fuse_small_ops(model: torch.nn.Module) -> int:
         count += 1
     logger.info("fused %d small ops with torch.compile", count)
     return count
+
+
+def unfuse_small_ops(model: torch.nn.Module) -> None:
+    """Undo `fuse_small_ops`: every module back on the plain torch functions."""
+    for module in model.modules():
+        module.__dict__.pop("forward", None)  # the instance override, if any; the class's stays
+        if hasattr(module, "rotate"):
+            module.rotate = apply_rotary
