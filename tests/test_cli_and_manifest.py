@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_manifest_lists_all_ten_stages_in_order():
-    assert [s.number for s in STAGES] == list(range(10))
-    assert [s.stem[:2] for s in STAGES] == [f"{n:02d}" for n in range(10)]
+    assert [s.number for s in STAGES] == list(range(11))
+    assert [s.stem[:2] for s in STAGES] == [f"{n:02d}" for n in range(11)]
 
 
 def test_every_reference_module_of_an_implemented_stage_exists():
@@ -30,8 +30,8 @@ def test_default_llm_stage_is_the_newest_implemented(tiny_checkpoints):
 
 
 def test_get_stage_rejects_numbers_outside_the_manifest():
-    with pytest.raises(ValueError, match=r"0\.\.9"):
-        get_stage(10)
+    with pytest.raises(ValueError, match=r"0\.\.10"):
+        get_stage(11)
 
 
 def test_stages_command_prints_every_stage(capsys):

@@ -1,4 +1,4 @@
-"""The stage manifest: the single source of truth for what each of the ten stages is and has.
+"""The stage manifest: the single source of truth for what each of the stages is and has.
 
 Introduced in stage 00. The README table, the docs, `nanoserve stages`, `nanoserve check` and the
 harness self-tests all read this list; nothing else hard-codes a stage number or path.
@@ -113,6 +113,10 @@ STAGES: tuple[Stage, ...] = (
     Stage(9, "09_tensor_parallel", "Tensor parallelism",
           "column/row/vocab-parallel layers, worker processes, NCCL (gloo on CPU)",
           "stage 08 with one rank", ("parallel/",), False, _P),
+    Stage(10, "10_serving", "Serving",
+          "an async engine loop and an OpenAI-compatible HTTP server: streaming, abort on "
+          "disconnect, metrics", "stage 09 (served tokens equal offline ones)", ("serving/",),
+          False, _P),
 )  # fmt: skip
 
 
