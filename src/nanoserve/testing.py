@@ -48,6 +48,46 @@ def save_tiny_model(folder: str | Path, family: str = "llama", seed: int = 0) ->
     return str(folder)
 
 
+# A character tokenizer for the tiny models (stage 10 serves text): one token per character, so
+# any id sequence decodes to valid text, and decoding piece by piece gives the whole text.
+TINY_CHARS = (
+    "\n"
+    + "".join(map(chr, range(32, 127)))
+    + "".join(c for c in map(chr, range(0xC0, 0x250)) if c.isalpha())
+)
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_tokenizer():
+    """A 256-token tokenizer for TINY_SHAPE: 254 characters, then <|im_end|> (254, the EOS) and
+    <|im_start|> (255), with a ChatML chat template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(TINY_CHARS[:254])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, chat_template=TINY_CHAT_TEMPLATE)
+    fast.add_special_tokens({"eos_token": "<|im_end|>",
+                             "additional_special_tokens": ["<|im_start|>"]})  # fmt: skip
+    return fast
+
+
+def save_tiny_chat_model(folder: str | Path, family: str = "llama", seed: int = 0) -> str:
+    """A tiny random checkpoint with `tiny_tokenizer()` beside it: text in, text out, in
+    milliseconds (its EOS is <|im_end|>). Returns the folder as a string."""
+    model = tiny_hf_model(family, seed)
+    model.config.eos_token_id, model.config.bos_token_id = 254, 255
+    model.generation_config.eos_token_id, model.generation_config.bos_token_id = 254, 255
+    model.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return str(folder)
+
+
 ENGINE_PROMPT_LENGTHS = (1, 3, 4, 5, 8, 9, 17, 60)  # around block boundaries, and one long prompt
 ENGINE_MAX_MODEL_LEN = 96
 

@@ -17,6 +17,7 @@ from nanoserve.bench.workload import (
     release_memory,
     timer,
 )
+from nanoserve.models.build import checkpoint_state_dict
 
 PAD_ID = 0  # any id: padded positions are masked out of attention
 
@@ -36,7 +37,7 @@ def hf_twin(model_name: str, model, device: torch.device, dtype: torch.dtype):
         config = transformers.AutoConfig.for_model(**preset_config(model_name))
         with torch.device(device):
             hf_model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-        hf_model.load_state_dict(model.state_dict(), strict=True)
+        hf_model.load_state_dict(checkpoint_state_dict(model), strict=True)
     else:
         path = resolve_model_path(model_name)
         folder, gguf = (path.parent, path.name) if path.suffix == ".gguf" else (path, None)

@@ -12,17 +12,12 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 
+from nanoserve.layers.activation import silu_mul
 from nanoserve.layers.norm import RMSNorm, rms_norm
 from nanoserve.layers.rotary import apply_rotary
 
 logger = logging.getLogger("nanoserve")
-
-
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up: SwiGLU's elementwise middle."""
-    return F.silu(gate) * up
 
 
 def fuse_small_ops(model: torch.nn.Module) -> int:
@@ -36,8 +31,8 @@ def fuse_small_ops(model: torch.nn.Module) -> int:
             module.forward = lambda x, m=module: norm(x, m.weight, m.eps)
         elif hasattr(module, "rotate"):  # the decoder's attention
             module.rotate = rotate
-        elif hasattr(module, "gate_proj") and hasattr(module, "down_proj"):  # the MLP
-            module.forward = lambda x, m=module: m.down_proj(middle(m.gate_proj(x), m.up_proj(x)))
+        elif hasattr(module, "act"):  # the MLP's silu(gate) * up
+            module.act = middle
         else:
             continue
         count += 1
@@ -51,3 +46,5 @@ def unfuse_small_ops(model: torch.nn.Module) -> None:
         module.__dict__.pop("forward", None)  # the instance override, if any; the class's stays
         if hasattr(module, "rotate"):
             module.rotate = apply_rotary
+        if hasattr(module, "act"):
+            module.act = silu_mul

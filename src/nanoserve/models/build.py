@@ -1,18 +1,20 @@
 """Building a `CausalLM` on a device: random weights, or filled from a Hugging Face state dict.
 
 Introduced in stage 00. The loader (checkpoints) and the presets (random weights) both build here;
-each tensor goes in through its module's `weight_loader` (stage 09 shards there). It reads no
-files and knows no checkpoint formats, so its errors name tensors; the loader adds the file.
+each tensor goes in through its module's `weight_loader`, which keeps only this tensor-parallel
+rank's slice (stage 09). It reads no files and knows no checkpoint formats, so its errors name
+tensors; the loader adds the file.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
 
 from nanoserve.layers.linear import default_weight_loader
+from nanoserve.layers.tensor_parallel import ONE_RANK, TensorParallel
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.decoder import CausalLM
 
@@ -25,19 +27,26 @@ class WeightMismatch(ValueError):
         self.name = name
 
 
-def build_model(
-    config: ModelConfig,
-    state_dict: Mapping[str, torch.Tensor] | None,
-    device: torch.device,
-    dtype: torch.dtype,
-) -> CausalLM:
-    """A CausalLM on device in dtype, filled from state_dict (random init when it is None)."""
+# Hugging Face keeps q/k/v and gate/up apart; the decoder merges each group into one matmul.
+# (checkpoint name part, the decoder's name part, which slice of the merged weight it fills)
+STACKED_PARAMS = (
+    ("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"),
+    ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1),
+)  # fmt: skip
+
+StateDict = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+def build_model(config: ModelConfig, state_dict: StateDict | None, device: torch.device,
+                dtype: torch.dtype, tp: TensorParallel = ONE_RANK) -> CausalLM:  # fmt: skip
+    """A CausalLM on device in dtype holding rank tp.rank's slices, filled from state_dict
+    (Hugging Face names, whole tensors or safetensors slices) or random when it is None."""
     if state_dict is None:
         with torch.device(device):
-            model = CausalLM(config)
+            model = CausalLM(config, tp)
     else:  # skip the random init that the checkpoint would overwrite anyway
         with torch.device("meta"):
-            model = CausalLM(config)
+            model = CausalLM(config, tp)
         # dtype first, on meta where it costs nothing: weights are copied once, straight into
         # dtype, never through a float32 copy of the whole model.
         model.to(dtype=dtype).to_empty(device=device)
@@ -52,28 +61,61 @@ def skipped_names(config: ModelConfig) -> set[str]:
     return {"lm_head.weight"} if config.tie_word_embeddings else set()
 
 
+def param_for(checkpoint_name: str) -> tuple[str, str | int | None]:
+    """The decoder's parameter that a checkpoint tensor fills, and which slice (None: all of it).
+
+    "model.layers.0.self_attn.k_proj.weight" -> ("model.layers.0.self_attn.qkv_proj.weight", "k")
+    """
+    for theirs, ours, shard_id in STACKED_PARAMS:
+        if f".{theirs}." in checkpoint_name:
+            return checkpoint_name.replace(f".{theirs}.", f".{ours}."), shard_id
+    return checkpoint_name, None
+
+
+def unstacked(param_name: str) -> list[str]:
+    """The checkpoint names a decoder parameter is filled from, in slice order.
+
+    "...self_attn.qkv_proj.weight" -> [...q_proj.weight, ...k_proj.weight, ...v_proj.weight]
+    """
+    names = [param_name.replace(f".{ours}.", f".{theirs}.")
+             for theirs, ours, _ in STACKED_PARAMS if f".{ours}." in param_name]  # fmt: skip
+    return names or [param_name]
+
+
+def checkpoint_names(model: CausalLM) -> list[str]:
+    """The Hugging Face names of the tensors the decoder needs, in parameter order."""
+    return [name for param_name, _ in model.named_parameters() for name in unstacked(param_name)]
+
+
 @torch.no_grad()
-def load_weights(model: CausalLM, state_dict: Mapping[str, torch.Tensor]) -> None:
-    """Copy a Hugging Face-named state dict in, each tensor through its module's `weight_loader`.
+def load_weights(model: CausalLM, state_dict: StateDict) -> None:
+    """Copy Hugging Face-named tensors in, each through its module's `weight_loader` (which takes
+    this rank's slice); merged parameters take one checkpoint tensor per slice.
 
     Raises WeightMismatch for a tensor of the wrong shape (naming it) or for names that are
     missing or left over.
     """
-    params = dict(model.named_parameters())  # a tied tensor appears once, under its first name
+    params = dict(model.named_parameters())
     skipped = skipped_names(model.config)
     loaded, unexpected = set(), []
-    for name, tensor in state_dict.items():
+    pairs = state_dict.items() if isinstance(state_dict, Mapping) else state_dict
+    for name, tensor in pairs:
         if name in skipped or name.endswith("rotary_emb.inv_freq"):  # inv_freq is computed
             continue
-        if name not in params:
+        param_name, shard_id = param_for(name)
+        if param_name not in params:
             unexpected.append(name)
             continue
+        loader = weight_loader_of(model, param_name)
         try:
-            weight_loader_of(model, name)(params[name], tensor)
+            if shard_id is None:
+                loader(params[param_name], tensor)
+            else:
+                loader(params[param_name], tensor, shard_id)
         except ValueError as err:
             raise WeightMismatch(f"tensor {name}: {err}", name) from None
         loaded.add(name)
-    missing = sorted(params.keys() - loaded)
+    missing = [name for name in checkpoint_names(model) if name not in loaded]
     if missing or unexpected:
         raise WeightMismatch(
             f"checkpoint does not match the {model.config.model_type} decoder: "
@@ -85,3 +127,21 @@ def weight_loader_of(model: nn.Module, param_name: str):
     """The `weight_loader` of the module owning param_name, else the whole-tensor copy."""
     module = model.get_submodule(param_name.rpartition(".")[0])
     return getattr(module, "weight_loader", default_weight_loader)
+
+
+def checkpoint_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
+    """The model's weights under Hugging Face's names (merged ones split apart); one rank only.
+
+    What `transformers` loads, e.g. to run a twin of a random-weight preset.
+    """
+    if model.tp.size != 1:
+        raise ValueError("checkpoint_state_dict needs the whole model (tensor_parallel_size 1)")
+    out = {}
+    for name, tensor in model.state_dict().items():
+        names = unstacked(name)
+        if len(names) == 1:
+            out[name] = tensor
+            continue
+        module = model.get_submodule(name.rpartition(".")[0])
+        out.update(zip(names, tensor.split(module.output_sizes)))
+    return out

@@ -2,37 +2,48 @@
 
 Introduced in stage 00. Tokens arrive packed along one axis (no batch dimension, no padding), with
 their positions; attention is delegated to a backend object passed into `forward`, which is where
-every later stage changes how keys and values are stored. Parameter names match Hugging Face's, so
-a checkpoint's state dict loads as it is; projections are `layers/linear.py` layers, not nn.Linear.
+every later stage changes how keys and values are stored. Projections are `layers/linear.py`'s
+sharded layers (stage 09): q/k/v are one `qkv_proj` and gate/up one `gate_up_proj`, so
+`build.STACKED_PARAMS` maps Hugging Face's names onto them; at tensor_parallel_size 1 nothing
+is sharded or exchanged.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoserve.layers.linear import ReplicatedLinear
+from nanoserve.layers.activation import silu_mul
+from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from nanoserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanoserve.layers.norm import RMSNorm
 from nanoserve.layers.rotary import RotaryEmbedding, apply_rotary
+from nanoserve.layers.tensor_parallel import ONE_RANK, TensorParallel
 from nanoserve.models.config import ModelConfig
 
 
 class Attention(nn.Module):
-    """q/k/v projections, optional q/k norm (Qwen3), RoPE, the backend, output projection."""
+    """q/k/v projection, optional q/k norm (Qwen3), RoPE, the backend, output projection.
 
-    def __init__(self, config: ModelConfig, layer_id: int):
+    With tensor parallelism each rank runs this for its own heads (and stores their K/V); the
+    output projection's all-reduce sums the heads' contributions.
+    """
+
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TensorParallel):
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
         hidden = config.hidden_size
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        bias = config.attention_bias
-        self.q_proj = ReplicatedLinear(hidden, q_size, bias=bias)
-        self.k_proj = ReplicatedLinear(hidden, kv_size, bias=bias)
-        self.v_proj = ReplicatedLinear(hidden, kv_size, bias=bias)
-        self.o_proj = ReplicatedLinear(q_size, hidden, bias=False)
+        self.qkv_proj = QKVParallelLinear(
+            hidden,
+            self.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.attention_bias,
+            tp,
+        )
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, hidden, tp=tp)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -41,9 +52,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple, attn, metadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.local_sizes(), dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # this rank's heads
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotate(q, k, *rope)
@@ -52,16 +64,21 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one matmul; `swiglu` is its oracle.
 
-    def __init__(self, config: ModelConfig):
+    Each rank holds a slice of the intermediate features; down's all-reduce sums them.
+    """
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel):
         super().__init__()
-        self.gate_proj = ReplicatedLinear(config.hidden_size, config.intermediate_size)
-        self.up_proj = ReplicatedLinear(config.hidden_size, config.intermediate_size)
-        self.down_proj = ReplicatedLinear(config.intermediate_size, config.hidden_size)
+        hidden, intermediate = config.hidden_size, config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, tp=tp)
+        self.down_proj = RowParallelLinear(intermediate, hidden, tp=tp)
+        self.act = silu_mul  # layers/compiled.py may swap in a fused version on a GPU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return swiglu(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate, up))
 
 
 def swiglu(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor):
@@ -72,12 +89,12 @@ def swiglu(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: to
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, config: ModelConfig, layer_id: int):
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TensorParallel):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_id)
+        self.self_attn = Attention(config, layer_id, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp)
 
     def forward(self, x: torch.Tensor, rope: tuple, attn, metadata) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, attn, metadata)
@@ -87,11 +104,11 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embedding, the layer stack, the final norm (Hugging Face's `model.` prefix)."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
@@ -113,11 +130,11 @@ class CausalLM(nn.Module):
     `metadata` (an `AttentionMetadata`) is passed through untouched, explicitly, never global.
     """
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel = ONE_RANK):
         super().__init__()
-        self.config = config
-        self.model = DecoderModel(config)
-        self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size)
+        self.config, self.tp = config, tp
+        self.model = DecoderModel(config, tp)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -134,6 +151,7 @@ class CausalLM(nn.Module):
         """Final hidden states for every packed token, (T, hidden)."""
         return self.model(input_ids, positions, attn, metadata)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits over the vocabulary for the given hidden states, (N, vocab)."""
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits over the vocabulary for the given hidden states, (N, vocab); None on a
+        tensor-parallel rank other than 0 (rank 0 gathers them and samples)."""
+        return self.lm_head.compute_logits(hidden)

@@ -12,12 +12,15 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from nanoserve.layers.tensor_parallel import ONE_RANK, TensorParallel
 from nanoserve.models.build import WeightMismatch, build_model
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.decoder import CausalLM
@@ -88,18 +91,21 @@ def load_tokenizer(model: str | Path):
     return read_tokenizer(checkpoint_folder(model))
 
 
-def load_model(model: str | Path, device: torch.device, dtype: torch.dtype) -> CausalLM:
+def load_model(model: str | Path, device: torch.device, dtype: torch.dtype,
+               tp: TensorParallel = ONE_RANK) -> CausalLM:  # fmt: skip
     """The model's weights from a known name, a GGUF file, a safetensors folder or a Hub id.
 
-    A preset name (`qwen3-0.6b`, ...) builds that shape with random weights, for benchmarks that
-    need no weight files.
+    With tensor parallelism each rank reads only its slices of the safetensors files. A preset
+    name (`qwen3-0.6b`, ...) builds that shape with random weights, for benchmarks that need no
+    weight files.
     """
     if is_preset(model):
-        return random_model(model, device, dtype)
+        return random_model(model, device, dtype, tp=tp)
     folder = checkpoint_folder(model)
     config = read_model_config(folder)
     try:
-        return build_model(config, read_state_dict(folder), device, dtype)
+        with open_state_dict(folder) as state_dict:
+            return build_model(config, state_dict, device, dtype, tp)
     except WeightMismatch as err:  # name the shard that holds the bad tensor, when one does
         raise CheckpointError(f"{shard_holding(folder, err.name) or folder}: {err}") from None
 
@@ -138,17 +144,21 @@ def read_model_config(folder: Path) -> ModelConfig:
         raise CheckpointError(f"{folder / 'config.json'}: {err}") from None
 
 
-def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    """Every safetensors shard of the folder, merged; CheckpointError names an unreadable one."""
-    state_dict = {}
-    for shard in sorted(folder.glob("*.safetensors")):
-        try:
-            state_dict.update(load_file(shard))
-        except (SafetensorError, OSError) as err:  # cut short, bad header, unreadable
-            raise CheckpointError(
-                f"{shard} is not a readable safetensors file (truncated or corrupt?): {err}"
-            ) from None
-    return state_dict
+@contextmanager
+def open_state_dict(folder: Path) -> Iterator[dict]:
+    """Every tensor of the folder's safetensors shards as a slice that reads nothing until it is
+    indexed (`t[a:b]`, `t[:]`); CheckpointError names a shard that cannot be read."""
+    state_dict, shard = {}, None
+    try:
+        with ExitStack() as stack:
+            for shard in sorted(folder.glob("*.safetensors")):
+                handle = stack.enter_context(safe_open(shard, framework="pt"))
+                state_dict.update((name, handle.get_slice(name)) for name in handle.keys())  # noqa: SIM118
+            yield state_dict
+    except (SafetensorError, OSError) as err:  # cut short, bad header, unreadable
+        raise CheckpointError(
+            f"{shard} is not a readable safetensors file (truncated or corrupt?): {err}"
+        ) from None
 
 
 def shard_holding(folder: Path, name: str | None) -> Path | None:

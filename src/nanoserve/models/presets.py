@@ -7,10 +7,12 @@ weights. It has no tokenizer and says nothing sensible: use it to measure, never
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+from collections.abc import Iterator
 
-from nanoserve.models.build import build_model
+import torch
+
+from nanoserve.layers.tensor_parallel import ONE_RANK, TensorParallel
+from nanoserve.models.build import build_model, checkpoint_state_dict, skipped_names
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.decoder import CausalLM
 
@@ -57,27 +59,34 @@ def preset_config(name: str) -> dict:
     return {k: dict(v) if isinstance(v, dict) else v for k, v in PRESETS[name].items()}
 
 
-@torch.no_grad()
-def init_random_weights(model: nn.Module, seed: int = 0) -> None:
-    """Fill every weight as a fresh Hugging Face model would: N(0, 0.02), norms 1, biases 0.
+def random_tensor(name: str, shape: torch.Size, device, dtype, generator) -> torch.Tensor:
+    """One weight as a fresh Hugging Face model has it: N(0, 0.02), norm scales 1, biases 0."""
+    if name.endswith("norm.weight"):  # RMSNorm scales (layer norms, Qwen3 q/k norms)
+        return torch.ones(shape, device=device, dtype=dtype)
+    if name.endswith("bias"):
+        return torch.zeros(shape, device=device, dtype=dtype)
+    out = torch.empty(shape, device=device, dtype=dtype)  # linear and embedding weights
+    return out.normal_(0.0, INIT_STD, generator=generator)
 
-    Small weights keep activations finite in bf16 through dozens of layers. Tied tensors are
-    visited once. The same seed on the same device type gives the same weights.
+
+def random_state_dict(config: ModelConfig, device, dtype: torch.dtype,
+                      seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+    """The preset's whole tensors under Hugging Face's names, made one at a time from `seed`.
+
+    Small weights keep activations finite in bf16 through dozens of layers. The same seed on the
+    same device type gives the same tensors, so every tensor-parallel rank slices the same model.
     """
-    device = next(model.parameters()).device
+    with torch.device("meta"):
+        shapes = checkpoint_state_dict(CausalLM(config))  # names and shapes, no memory
     generator = torch.Generator(device=device).manual_seed(seed)
-    for name, param in model.named_parameters():  # tied parameters appear once
-        if name.endswith("norm.weight"):  # RMSNorm scales (layer norms, Qwen3 q/k norms)
-            param.fill_(1.0)
-        elif name.endswith("bias"):
-            param.zero_()
-        else:  # linear and embedding weights
-            param.normal_(0.0, INIT_STD, generator=generator)
+    for name, meta in shapes.items():
+        if name not in skipped_names(config):  # a tied head is the embedding
+            yield name, random_tensor(name, meta.shape, device, dtype, generator)
 
 
-def random_model(name: str, device, dtype: torch.dtype, seed: int = 0) -> CausalLM:
-    """The preset's model on device in dtype, with random weights from `seed`."""
+def random_model(name: str, device, dtype: torch.dtype, seed: int = 0,
+                 tp: TensorParallel = ONE_RANK) -> CausalLM:  # fmt: skip
+    """The preset's model on device in dtype (rank tp.rank's slices), random from `seed`."""
     config = ModelConfig.from_hf_dict(preset_config(name))
-    model = build_model(config, None, torch.device(device), dtype)
-    init_random_weights(model, seed)
-    return model
+    device = torch.device(device)
+    return build_model(config, random_state_dict(config, device, dtype, seed), device, dtype, tp)

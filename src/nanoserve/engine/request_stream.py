@@ -1,0 +1,111 @@
+"""What flows between the engine's loop thread and the requests waiting on it (stage 10).
+
+Introduced in stage 10. Two directions, two kinds of message: commands go down to the loop
+(`Add`, `Abort`, through a thread-safe queue), and deliveries come up to one request's
+`RequestStream` (a `TokenDelta`, or the `ValueError` that rejected it), handed over on the
+request's own event loop. Plain data and one asyncio queue; the loop itself is async_engine.py.
+
+    HTTP handlers (event loop thread)          engine loop thread
+      add_request  --- Add(stream, ids) --->   engine.add_request / abort
+      abort        --- Abort(request_id) -->   engine.step()
+      stream.get() <-- Delivery(stream, TokenDelta([17, 4], None)) ---  fan out
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from nanoserve.sampling import SamplingParams
+from nanoserve.types import Sequence
+
+
+class TokenDelta(NamedTuple):
+    """The tokens one request gained since its last delta; the last delta carries the reason.
+
+    The first delta of an accepted request is empty: the engine has queued it. finish_reason is None while the request runs, then "stop" or "length" (the engine's), or
+    "abort" when it was aborted. Exactly one delta of a request has a finish_reason.
+    """
+
+    token_ids: list[int]
+    finish_reason: str | None = None
+
+
+class RequestStream:
+    """One request's deltas, consumed by one asyncio task on the event loop that made it.
+
+    The loop thread never touches the queue itself: asyncio objects are not thread-safe, so a
+    delivery is handed over with `loop.call_soon_threadsafe(stream.put, item)`, and `put` runs
+    on this stream's own loop.
+    """
+
+    def __init__(self, request_id: int, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self.loop = loop
+        self._queue: asyncio.Queue[TokenDelta | Exception] = asyncio.Queue()
+
+    def put(self, item: TokenDelta | Exception) -> None:
+        """Queue a delivery; call it on `self.loop`'s thread only."""
+        self._queue.put_nowait(item)
+
+    async def get(self) -> TokenDelta | Exception:
+        """The next delivery, waiting for it if none is queued."""
+        return await self._queue.get()
+
+
+class Delivery(NamedTuple):
+    """An item for a stream, made on the loop thread and handed over to the stream's loop."""
+
+    stream: RequestStream
+    item: TokenDelta | Exception
+
+
+@dataclass
+class Request:
+    """A request the loop thread tracks: its sequence, its stream, and how much it has sent."""
+
+    seq: Sequence
+    stream: RequestStream
+    num_sent: int = 0  # completion tokens already delivered
+
+
+class Add(NamedTuple):
+    """Command: validate and queue a request whose deltas go to `stream`."""
+
+    stream: RequestStream
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class Abort(NamedTuple):
+    """Command: drop a request for good and free its memory (unknown or finished: no-op)."""
+
+    request_id: int
+
+
+class EngineStats(NamedTuple):
+    """What /metrics shows of the engine, copied by the loop thread after every iteration.
+
+    The loop thread replaces the whole tuple (one reference assignment); other threads read it
+    and never the engine itself. Block counts are None for a manager without blocks (stage 00).
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_blocks_used: int | None = None
+    num_blocks_free: int | None = None
+    prefix_cache_hit_rate: float | None = None
+    num_steps: int = 0
+    num_preemptions: int = 0
+
+    @classmethod
+    def of(cls, engine) -> EngineStats:
+        """A snapshot of `engine` (an LLMEngine); call it on the thread that steps the engine."""
+        manager, scheduler = engine.manager, engine.scheduler
+        num_free = getattr(manager, "num_free_blocks", None)
+        num_blocks = getattr(manager, "num_blocks", None)
+        used = None if num_free is None or num_blocks is None else num_blocks - num_free
+        return cls(len(scheduler.running), len(scheduler.waiting), used, num_free,
+                   getattr(manager, "hit_rate", None), engine.num_steps,
+                   scheduler.num_preemptions)  # fmt: skip
