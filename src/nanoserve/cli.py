@@ -1,6 +1,7 @@
-"""The `nanoserve` command: generate, chat, stages, check, bench.
+"""The `nanoserve` command: generate, chat, stages, check, serve, bench.
 
-Introduced in stage 00 (`check` with the grading harness, `bench` and `--trace` in stage 04).
+Introduced in stage 00 (`check` with the grading harness, `bench` and `--trace` in stage 04,
+`serve` in stage 10).
 Each subcommand is a thin wrapper over the Python API; argument errors name the argument and
 what was expected.
 """
@@ -16,18 +17,43 @@ from nanoserve.options import add_engine_args, engine_options
 DEFAULT_QUESTION = "What is the capital of France? Answer in one sentence."
 
 
-def add_model_args(parser: argparse.ArgumentParser) -> None:
-    """Options shared by every subcommand that loads a model."""
+def add_engine_source_args(parser: argparse.ArgumentParser) -> None:
+    """The model, the stage, the device, the dtype and the engine options."""
     parser.add_argument("--model", default="smollm2", help="known name, GGUF file or HF folder")
     parser.add_argument("--stage", type=int, default=None, help="engine as of stage N")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16, float16 or float64")
+    add_engine_args(parser)
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """Options shared by the subcommands that generate: the engine's, and sampling."""
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--seed", type=int, default=None)
-    add_engine_args(parser)
+    add_engine_source_args(parser)
+
+
+def add_serve_parser(subparsers) -> None:
+    """`serve`: where to listen, who may ask, and the engine (sampling is per request)."""
+    serve = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on every route but /health",
+    )
+    serve.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the name clients pass as `model` (default: --model)",
+    )
+    serve.add_argument("--max-body-bytes", type=int, default=2**20, help="413 above this")
+    serve.add_argument("--log-level", default="info", help="uvicorn's: warning, info, debug")
+    add_engine_source_args(serve)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="grade an implementation of one stage")
     check.add_argument("stage", type=int)
     check.add_argument("--impl", default="ref", help="ref, starter, a .py path or a module")
+    add_serve_parser(sub)
     add_bench_parser(sub)
     return parser
 
@@ -129,6 +156,21 @@ def cmd_check(args) -> int:
     return run_check(args.stage, args.impl)
 
 
+def cmd_serve(args) -> int:
+    try:
+        from nanoserve.serving.server import create_app, run_server
+    except ImportError as err:
+        raise ValueError(f"serving needs FastAPI and uvicorn ({err}); install them with "
+                         "pip install 'nanoserve[serve]'") from None  # fmt: skip
+    llm = make_llm(args)
+    app = create_app(llm, args.served_model_name or args.model, args.api_key,
+                     args.max_body_bytes)  # fmt: skip
+    print(f"nanoserve serve: {args.model}, stage {llm.stage.number}, http://{args.host}:"
+          f"{args.port}/v1", flush=True)  # fmt: skip
+    run_server(app, args.host, args.port, args.log_level)
+    return 0
+
+
 def cmd_bench(args) -> int:
     from nanoserve.bench.run import run_bench
 
@@ -136,7 +178,7 @@ def cmd_bench(args) -> int:
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "stages": cmd_stages,
-            "check": cmd_check, "bench": cmd_bench}  # fmt: skip
+            "check": cmd_check, "serve": cmd_serve, "bench": cmd_bench}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -144,3 +144,40 @@ class RerunGraph:
 
     def replay(self) -> None:
         self.output.copy_(self.forward())
+
+
+class ServerThread:
+    """A real uvicorn server for tests, in a thread of this process, on a free port of 127.0.0.1.
+
+    `with ServerThread(app) as url:` yields the base URL (`http://127.0.0.1:PORT`) once the server
+    listens, and stops it (lifespan shutdown included) on the way out.
+    """
+
+    def __init__(self, app, timeout: float = 30):
+        import uvicorn
+
+        self.config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                     timeout_graceful_shutdown=5)  # fmt: skip
+        self.server = uvicorn.Server(self.config)
+        self.timeout = timeout
+        self.thread = None
+
+    def __enter__(self) -> str:
+        import threading
+        import time
+
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn-test", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + self.timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.01)
+        (sock,) = [s for server in self.server.servers for s in server.sockets][:1]
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(self.timeout)
+        if self.thread.is_alive():
+            raise RuntimeError("the test server did not stop")

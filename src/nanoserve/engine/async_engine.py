@@ -14,6 +14,7 @@ its KV blocks within one step. It knows token ids only: text, HTTP and metrics a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -182,10 +183,8 @@ class AsyncEngine(EngineThread):
         for delivery in deliveries:
             by_loop[delivery.stream.loop].append(delivery)
         for loop, batch in by_loop.items():
-            try:
+            with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is left to read
                 loop.call_soon_threadsafe(put_all, batch)
-            except RuntimeError:  # that event loop is closed: nobody is left to read
-                pass
 
     async def generate(self, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[TokenDelta]:  # fmt: skip

@@ -24,8 +24,9 @@ from nanoserve.types import Sequence
 class TokenDelta(NamedTuple):
     """The tokens one request gained since its last delta; the last delta carries the reason.
 
-    The first delta of an accepted request is empty: the engine has queued it. finish_reason is None while the request runs, then "stop" or "length" (the engine's), or
-    "abort" when it was aborted. Exactly one delta of a request has a finish_reason.
+    The first delta of an accepted request is empty: the engine has queued it. finish_reason is
+    None while the request runs, then "stop" or "length" (the engine's), or "abort" when it was
+    aborted. Exactly one delta of a request has a finish_reason.
     """
 
     token_ids: list[int]

@@ -33,11 +33,11 @@ class Generation:
     """One request through the engine loop; `chat` picks the chat shapes over completions'."""
 
     def __init__(self, loop: AsyncEngine, metrics: Metrics, model: str, prompt_token_ids,
-                 params: SamplingParams, text: TextStream, chat: bool, prompt_param: str):  # fmt: skip
+                 params: SamplingParams, text: TextStream, chat: bool):  # fmt: skip
         self.loop, self.metrics, self.model = loop, metrics, model
         self.prompt_token_ids, self.params, self.text, self.chat = (
             prompt_token_ids, params, text, chat)  # fmt: skip
-        self.prompt_param = prompt_param  # the field a rejection names: prompt or messages
+        self.prompt_param = "messages" if chat else "prompt"  # the field a rejection names
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.kind = "chat.completion" if chat else "text_completion"
         self.deltas: AsyncIterator | None = None
@@ -81,9 +81,8 @@ class Generation:
         async for _, new_ids in self.pieces():
             token_ids += new_ids
         choice = protocol.chat_choice if self.chat else protocol.completion_choice
-        body = protocol.envelope(self.id, self.model, self.kind,
-                                 [choice(self.text.text, token_ids, self.finish_reason)])  # fmt: skip
-        return {**body, "usage": self.usage()}
+        choices = [choice(self.text.text, token_ids, self.finish_reason)]
+        return {**protocol.envelope(self.id, self.model, self.kind, choices), "usage": self.usage()}
 
     async def events(self, include_usage: bool) -> AsyncIterator[str]:
         """The completion as server-sent events, one chunk per delta, then [DONE]."""

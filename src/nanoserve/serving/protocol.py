@@ -10,7 +10,7 @@ them: `top_k`, `ignore_eos`, `stop_token_ids`; every choice also carries its `to
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -50,7 +50,7 @@ class SamplingFields(BaseModel):
     top_k: int | None = Field(None, ge=-1)  # -1 or 0: off (vLLM's spelling), like None
     seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -1,0 +1,335 @@
+"""Stage 10 end to end: a real uvicorn server on 127.0.0.1, the official openai client and httpx.
+
+Served tokens must equal offline ones (`LLM.generate` / `LLM.chat` on a twin of the served LLM,
+float64, greedy or seeded), streaming or not; 64 concurrent streaming clients, a quarter of them
+hanging up at seeded random points, leave no block used and nothing queued; every bad request is
+a 4xx with OpenAI's error object naming the field, and the engine serves on afterwards; the
+server stops without leaving a thread behind. A tiny random model with a character tokenizer
+(`nanoserve.testing.save_tiny_chat_model`) keeps the file to seconds; traffic is bounded in count
+and time and goes to the loopback address only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import threading
+
+import pytest
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.testing import ServerThread, save_tiny_chat_model
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+from nanoserve.serving.server import create_app  # noqa: E402
+
+MODEL = "tiny-chat"
+ENGINE = dict(device="cpu", dtype="float64", max_model_len=96, block_size=4, num_kv_blocks=160)
+TIMEOUT = 60  # seconds: any request, or the whole drain, must be done long before this
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
+
+
+@pytest.fixture(scope="module")
+def offline(folder):
+    """The oracle: an LLM like the served one, driven offline."""
+    return LLM(folder, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def served(folder):
+    """(base URL, the served LLM, the app) of a server that lives for the whole module."""
+    llm = LLM(folder, **ENGINE)
+    app = create_app(llm, MODEL)
+    with ServerThread(app) as url:
+        yield url, llm, app
+
+
+@pytest.fixture
+def client(served):
+    return openai.OpenAI(base_url=f"{served[0]}/v1", api_key="unused", timeout=TIMEOUT,
+                         max_retries=0)  # fmt: skip
+
+
+def offline_ids(offline: LLM, prompt, **sampling) -> tuple[list[int], str, str]:
+    (out,) = offline.generate([prompt], SamplingParams(**sampling), use_tqdm=False)
+    return out.token_ids, out.text, out.finish_reason
+
+
+def assert_engine_drained(llm: LLM, app) -> None:
+    """No request queued, running or tracked; every block free; the manager consistent."""
+    engine = llm.engine
+    assert not engine.scheduler.waiting and not engine.scheduler.running
+    assert app.state.served.loop.requests == {}
+    assert engine.manager.num_free_blocks == engine.manager.num_blocks
+    engine.manager.check_invariants()
+
+
+def wait_until_idle(url: str) -> None:
+    """Poll /metrics until the engine's queues are empty (the loop publishes after each step)."""
+    for _ in range(int(TIMEOUT / 0.01)):
+        text = httpx.get(f"{url}/metrics", timeout=TIMEOUT).text
+        if gauge(text, "requests_running") == 0 and gauge(text, "requests_waiting") == 0:
+            return
+        threading.Event().wait(0.01)
+    raise AssertionError("the engine never became idle")
+
+
+def gauge(metrics_text: str, name: str) -> float:
+    return float(re.search(rf"^nanoserve_{name} (\S+)$", metrics_text, re.M).group(1))
+
+
+# ---- served tokens equal offline ones ----
+
+
+@pytest.mark.parametrize("prompt", ["The capital of France is", [5, 17, 99, 3, 42, 42, 7]])
+def test_a_greedy_completion_equals_llm_generate(client, offline, prompt):
+    want_ids, want_text, want_reason = offline_ids(offline, prompt, max_tokens=24)
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    (choice,) = got.choices
+    assert choice.model_extra["token_ids"] == want_ids
+    assert (choice.text, choice.finish_reason) == (want_text, want_reason)
+    assert got.usage.completion_tokens == len(want_ids)
+
+
+def test_a_streamed_completion_equals_llm_generate_token_for_token(client, offline):
+    want_ids, want_text, want_reason = offline_ids(offline, "Once upon a time", max_tokens=30)
+    chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time", stream=True,
+                                            max_tokens=30, temperature=0))  # fmt: skip
+    ids = [t for c in chunks for t in c.choices[0].model_extra["token_ids"]]
+    assert ids == want_ids
+    assert "".join(c.choices[0].text for c in chunks) == want_text
+    assert [c.choices[0].finish_reason for c in chunks][-1] == want_reason
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_chat_completion_equals_llm_chat(client, offline, stream):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    (want,) = offline.chat(messages, SamplingParams(max_tokens=20), use_tqdm=False)
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20,
+                                           temperature=0, stream=stream)  # fmt: skip
+    if stream:
+        chunks = list(reply)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        ids = [t for c in chunks for t in c.choices[0].model_extra["token_ids"]]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        reason = chunks[-1].choices[0].finish_reason
+    else:
+        choice = reply.choices[0]
+        ids, text, reason = choice.model_extra["token_ids"], choice.message.content, None
+        reason = choice.finish_reason
+    assert (ids, text, reason) == (want.token_ids, want.text, want.finish_reason)
+
+
+def test_a_seeded_sampled_request_equals_its_offline_twin(client, offline):
+    sampling = dict(temperature=0.8, top_p=0.9, top_k=50, seed=1234, max_tokens=20)
+    want_ids, _, _ = offline_ids(offline, [9, 8, 7], ignore_eos=True, **sampling)
+    got = client.completions.create(
+        model=MODEL,
+        prompt=[9, 8, 7],
+        extra_body={"ignore_eos": True, "top_k": 50},
+        **{k: v for k, v in sampling.items() if k != "top_k"},
+    )
+    assert got.choices[0].model_extra["token_ids"] == want_ids
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_cuts_the_text_and_finishes_with_stop(client, offline, stream):
+    want_ids, want_text, _ = offline_ids(offline, "Hello", max_tokens=30, ignore_eos=True)
+    stop = want_text[7:9]  # two characters the completion reaches at its 8th token
+    cut = want_text[: want_text.index(stop)]
+    reply = client.completions.create(model=MODEL, prompt="Hello", max_tokens=30, stop=[stop],
+                                      temperature=0, stream=stream)  # fmt: skip
+    chunks = list(reply) if stream else [reply]
+    assert "".join(c.choices[0].text for c in chunks) == cut
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    ids = [t for c in chunks for t in c.choices[0].model_extra["token_ids"]]
+    assert ids == want_ids[: len(ids)] and len(ids) < len(want_ids)
+
+
+def test_a_stop_token_id_finishes_the_request_at_that_token(client, offline):
+    want_ids, _, _ = offline_ids(offline, [1, 2, 3], max_tokens=20, ignore_eos=True)
+    stop_id = want_ids[5]
+    got = client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=20, temperature=0,
+                                    extra_body={"stop_token_ids": [stop_id]})  # fmt: skip
+    ids = got.choices[0].model_extra["token_ids"]
+    assert ids == want_ids[: want_ids.index(stop_id) + 1]
+    assert got.choices[0].finish_reason == "stop"
+
+
+# ---- many clients, some of whom hang up ----
+
+
+async def stream_tokens(http, prompt, max_tokens: int, hang_up_after: int | None) -> list[int]:
+    """Stream one completion's token ids; with hang_up_after, close the connection after that
+    many chunks with tokens (a client that disconnects)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    ids, num_chunks = [], 0
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            new = json.loads(line[6:])["choices"][0]["token_ids"]
+            ids += new
+            num_chunks += bool(new)
+            if hang_up_after is not None and num_chunks >= hang_up_after:
+                break  # leaving the block closes the connection mid-stream
+    return ids
+
+
+def test_64_streaming_clients_a_quarter_hanging_up_leave_nothing_behind(served, offline):
+    url, llm, app = served
+    rng = random.Random(10)
+    prompts = [[rng.randrange(254) for _ in range(rng.randint(1, 12))] for _ in range(64)]
+    max_tokens = [rng.randint(4, 24) for _ in prompts]
+    quitters = set(rng.sample(range(64), 16))
+    hang_up = {i: rng.randint(1, max_tokens[i] - 1) for i in quitters}
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
+    want = [out.token_ids for out in offline.generate(prompts, params, use_tqdm=False)]
+
+    async def run_all():
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT, limits=limits) as http:
+            return await asyncio.gather(
+                *[
+                    stream_tokens(http, p, m, hang_up.get(i))
+                    for i, (p, m) in enumerate(zip(prompts, max_tokens))
+                ]
+            )
+
+    got = asyncio.run(asyncio.wait_for(run_all(), TIMEOUT))
+    for i in range(64):
+        if i in quitters:
+            assert got[i] == want[i][: len(got[i])], f"client {i} got someone else's tokens"
+        else:
+            assert got[i] == want[i], f"client {i}"
+    wait_until_idle(url)
+    assert_engine_drained(llm, app)
+
+
+def test_a_client_that_hangs_up_mid_stream_aborts_its_request(served):
+    url, llm, app = served
+    aborted_before = app.state.served.metrics.requests["abort"]
+    steps_at_hang_up = []
+
+    async def hang_up_early():
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as http:
+            ids = await stream_tokens(http, [3, 1, 4, 1, 5], 90, hang_up_after=3)
+            steps_at_hang_up.append(app.state.served.loop.stats.num_steps)
+            return ids
+
+    assert len(asyncio.run(asyncio.wait_for(hang_up_early(), TIMEOUT))) == 3
+    wait_until_idle(url)
+    steps_after = app.state.served.loop.stats.num_steps - steps_at_hang_up[0]
+    assert steps_after < 30, f"{steps_after} steps ran after the hang-up; 90 tokens need 87 more"
+    assert app.state.served.metrics.requests["abort"] == aborted_before + 1
+    assert_engine_drained(llm, app)
+
+
+# ---- bad requests: a 4xx naming the field, and the engine serves on ----
+
+TOO_LONG = list(range(100))  # 100 tokens; max_model_len is 96
+BAD_COMPLETIONS = [  # (body, status, param)
+    ({"model": "gpt-4", "prompt": "hi"}, 404, "model"),
+    ({"prompt": "hi"}, 400, "model"),
+    ({"model": MODEL, "prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ({"model": MODEL, "prompt": "hi", "top_k": 2.5}, 400, "top_k"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "seed": -1}, 400, "seed"),
+    ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+    ({"model": MODEL, "prompt": "hi", "stop_token_ids": [-3]}, 400, "stop_token_ids.0"),
+    ({"model": MODEL, "prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ({"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ({"model": MODEL, "prompt": TOO_LONG}, 400, "prompt"),
+    ({"model": MODEL, "prompt": TOO_LONG, "stream": True}, 400, "prompt"),
+    ({"model": MODEL, "prompt": [1, 256]}, 400, "prompt"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "param"), BAD_COMPLETIONS,
+                         ids=[f"{p}-{s}" for _, s, p in BAD_COMPLETIONS])  # fmt: skip
+def test_a_bad_completion_request_is_a_4xx_naming_the_field(served, body, status, param):
+    response = httpx.post(f"{served[0]}/v1/completions", json=body, timeout=TIMEOUT)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"] and "type" in error and "code" in error
+
+
+BAD_CHATS = [
+    ({"model": MODEL, "messages": []}, "messages"),
+    ({"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
+    ({"model": MODEL, "messages": [{"role": "user"}]}, "messages.0.content"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x" * 120}]}, "messages"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), BAD_CHATS, ids=[p for _, p in BAD_CHATS])
+def test_a_bad_chat_request_is_a_400_naming_the_field(served, body, param):
+    response = httpx.post(f"{served[0]}/v1/chat/completions", json=body, timeout=TIMEOUT)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_malformed_json_and_an_oversized_body_are_4xx_and_the_engine_serves_on(served, client):
+    url = served[0]
+    headers = {"content-type": "application/json"}
+    bad_json = httpx.post(f"{url}/v1/completions", content=b'{"model": "tiny', headers=headers)
+    assert bad_json.status_code == 400 and "JSON" in bad_json.json()["error"]["message"]
+    huge = json.dumps({"model": MODEL, "prompt": "x" * 2**21})
+    too_big = httpx.post(f"{url}/v1/completions", content=huge, headers=headers)
+    assert too_big.status_code == 413 and too_big.json()["error"]["message"]
+    no_length = (b"x" * 2**16 for _ in range(20))  # a generator: sent chunked, no Content-Length
+    chunked = httpx.post(f"{url}/v1/completions", headers=headers, content=no_length)
+    assert chunked.status_code == 413
+    missing = httpx.get(f"{url}/v1/nothing-here")
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+    ok = client.completions.create(model=MODEL, prompt="still alive?", max_tokens=3)
+    assert len(ok.choices[0].model_extra["token_ids"]) >= 1
+
+
+# ---- the other routes ----
+
+
+def test_models_health_and_metrics(served, client):
+    url = served[0]
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    client.completions.create(model=MODEL, prompt="count me", max_tokens=5)
+    text = httpx.get(f"{url}/metrics").text
+    for name in ("requests_running", "requests_waiting", "kv_blocks_used", "kv_blocks_free",
+                 "prefix_cache_hit_rate", "generation_tokens_total"):  # fmt: skip
+        assert re.search(rf"^nanoserve_{name} \d", text, re.M), name
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds"):
+        assert f"# TYPE nanoserve_{name} histogram" in text
+        assert gauge(text, f"{name}_count") > 0
+        assert re.search(rf'^nanoserve_{name}_bucket{{le="\+Inf"}} \d+$', text, re.M)
+
+
+def test_an_api_key_guards_every_route_but_health_and_the_server_stops_cleanly(folder):
+    threads_before = set(threading.enumerate())
+    llm = LLM(folder, **ENGINE)
+    with ServerThread(create_app(llm, MODEL, api_key="s3cret")) as url:
+        assert httpx.get(f"{url}/health").status_code == 200
+        for route in ("/v1/models", "/metrics"):
+            assert httpx.get(f"{url}{route}").status_code == 401
+            wrong = httpx.get(f"{url}{route}", headers={"Authorization": "Bearer s3cre"})
+            assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        assert httpx.post(f"{url}/v1/completions", json=body).status_code == 401
+        keyed = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
+        assert keyed.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0).models.list()
+    leaked = [t for t in set(threading.enumerate()) - threads_before if t.is_alive()]
+    assert leaked == [], f"threads left running: {leaked}"
