@@ -333,3 +333,23 @@ def test_an_api_key_guards_every_route_but_health_and_the_server_stops_cleanly(f
             openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0).models.list()
     leaked = [t for t in set(threading.enumerate()) - threads_before if t.is_alive()]
     assert leaked == [], f"threads left running: {leaked}"
+
+
+# ---- the serving benchmark, tiny ----
+
+
+def test_bench_serve_times_the_workload_offline_and_over_http(folder, capsys):
+    from nanoserve.cli import main
+
+    args = ["bench", "--serve", "--model", folder, "--device", "cpu", "--dtype", "float64",
+            "--num-seqs", "6", "--max-input-len", "16", "--max-output-len", "8",
+            "--max-model-len", "64", "--block-size", "4", "--num-kv-blocks", "64",
+            "--request-rate", "100", "--seed", "3"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    offline, served = re.findall(r"^(?:nanoserve stage \d+|served, rate 100/s, 6 clients).*$",
+                                 out, re.M)  # fmt: skip
+    assert offline.split()[4] == served.split()[5], "the same output tokens on both sides"
+    assert re.search(r"^time to first token   p50 [\d.]+  p90 [\d.]+  p99 [\d.]+ ms$", out, re.M)
+    assert re.search(r"^inter-token latency   p50 [\d.]+", out, re.M)
+    assert re.search(r"^serving overhead      -?[\d.]+% of offline throughput$", out, re.M)

@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 
+from nanoserve.bench import serve
 from nanoserve.bench.workload import (
     WARMUP_MAX_TOKENS,
     WARMUP_PROMPT_LEN,
@@ -61,6 +62,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--compare", choices=["hf"], default=None, help="also time transformers")
     p.add_argument("--hf-batch-size", type=positive_int, default=None, help="CPU: default all")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
+    serve.add_serve_bench_args(p)
     add_engine_args(p)
     return p
 
@@ -186,16 +188,23 @@ def write_json(path: str, header: list[str], args, stages: list[int], results: l
         json.dump({"header": header, "options": options, "results": records}, f, indent=2)
 
 
-def run_bench(args) -> int:
-    """Run the benchmark the options describe, print the table (and write JSON); returns 0."""
-    stages = checked_stages(args)
-    spec, model = load_bench_model(args)
+def bench_workload(args, vocab_size: int | None) -> Workload:
+    """The workload the options describe, ids folded into the vocabulary when it is known."""
     workload = make_workload(args.num_seqs, args.max_input_len, args.max_output_len)
     if args.first is not None:  # e.g. the first 64 of the full 256, like DESIGN's HF anchor
         workload = Workload(*(column[: args.first] for column in workload))
     if args.shared_prefix is not None:
         workload = with_shared_prefix(workload, args.shared_prefix)
-    workload = workload.fold_ids(model.config.vocab_size)
+    return workload if vocab_size is None else workload.fold_ids(vocab_size)
+
+
+def run_bench(args) -> int:
+    """Run the benchmark the options describe, print the table (and write JSON); returns 0."""
+    stages = checked_stages(args)
+    if args.serve or args.url:
+        return run_serve_bench(args, stages)
+    spec, model = load_bench_model(args)
+    workload = bench_workload(args, model.config.vocab_size)
     config = engine_config(args, model.config, workload)
     header = describe(args, model, config, workload)
     print("\n".join(header), flush=True)
@@ -207,4 +216,37 @@ def run_bench(args) -> int:
     print("\n".join(format_table(results)))
     if args.json:
         write_json(args.json, header, args, stages, results)
+    return 0
+
+
+def run_serve_bench(args, stages: list[int]) -> int:
+    """Offline, then over HTTP, on the same requests (stage 10); --url: over HTTP only."""
+    if len(stages) != 1:
+        raise ValueError("--stage: --serve benchmarks one stage's engine at a time")
+    results, header = [], []
+    if args.url:
+        workload = bench_workload(args, None)  # the server rejects ids outside its vocabulary
+        url = args.url.rstrip("/")
+        timings, seconds = serve.run_drive(url, workload, args)
+    else:
+        spec, model = load_bench_model(args)
+        workload = bench_workload(args, model.config.vocab_size)
+        config = engine_config(args, model.config, workload)
+        header = describe(args, model, config, workload)
+        print("\n".join(header), flush=True)
+        results.append(run_nanoserve(spec, model, stages[0], config, workload))
+        dtype = str(model.dtype).removeprefix("torch.")
+        del model  # the server loads its own; free this copy's memory first
+        release_memory(spec.device)
+        port = serve.free_port()
+        command = serve.serve_command(args, stages[0], spec.device.type, dtype, port)
+        with serve.ServerProcess(command, port) as url:
+            timings, seconds = serve.run_drive(url, workload, args)
+    results.append(serve.served_result(timings, seconds, args))
+    lines = format_table(results) + serve.latency_lines(timings)
+    if len(results) == 2:
+        lines.append(serve.overhead_line(*results))
+    print("\n".join(lines))
+    if args.json:
+        write_json(args.json, header + lines[len(results) + 1 :], args, stages, results)
     return 0

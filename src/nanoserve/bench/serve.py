@@ -1,0 +1,216 @@
+"""`nanoserve bench --serve`: the HTTP server under load, beside the offline engine (stage 10).
+
+Introduced in stage 10. It times the benchmark workload offline (`LLMEngine` driven directly, as
+`nanoserve bench` does), then starts `nanoserve serve` in a subprocess on a free port of
+127.0.0.1 (or targets `--url`) and sends the same requests over HTTP from concurrent streaming
+clients, arriving all at once (`--request-rate inf`) or as a seeded Poisson process. It reports
+output tokens/s on both sides, the serving overhead, and time to first token and inter-token
+latency percentiles, as vLLM's serving benchmark does. Like `bench`, it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import NamedTuple
+
+from nanoserve.bench.workload import WARMUP_MAX_TOKENS, WARMUP_PROMPT_LEN, BenchResult, Workload
+from nanoserve.options import engine_options
+
+SERVED_NAME = "bench"
+STARTUP_TIMEOUT = 900  # seconds for the server to load, size its pool and capture its graphs
+
+
+class Timing(NamedTuple):
+    """What one streamed request looked like from the client."""
+
+    sent: float
+    token_times: list[float]  # arrival time of each chunk that carried tokens
+    token_counts: list[int]  # tokens in each of those chunks
+    done: float
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.token_counts)
+
+    def inter_token_gaps(self) -> list[float]:
+        """Seconds between consecutive tokens (a chunk of k tokens counts k equal gaps)."""
+        gaps = []
+        for prev, now, k in zip(self.token_times, self.token_times[1:], self.token_counts[1:]):
+            gaps += [(now - prev) / k] * k
+        return gaps
+
+
+def add_serve_bench_args(parser) -> None:
+    """The options of `bench --serve` and `bench --url`."""
+    group = parser.add_argument_group("serving (stage 10)")
+    group.add_argument(
+        "--serve",
+        action="store_true",
+        help="start `nanoserve serve` and benchmark it over HTTP, beside offline",
+    )
+    group.add_argument(
+        "--url", default=None, help="benchmark a server already running there (no offline run)"
+    )
+    group.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests per second, Poisson arrivals (default inf: all at once)",
+    )
+    group.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="clients with a request in flight, at most (default: no limit)",
+    )
+    group.add_argument("--seed", type=int, default=0, help="seeds the arrival times")  # fmt: skip
+
+
+async def stream_one(http, prompt: list[int], max_tokens: int) -> Timing:
+    """Send one streaming completion and time its chunks; raises on an HTTP error."""
+    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+            "temperature": 0.6, "ignore_eos": True}  # fmt: skip
+    sent = time.perf_counter()
+    times, counts = [], []
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"the server answered {response.status_code}: "
+                               f"{(await response.aread()).decode()[:300]}")  # fmt: skip
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                n = len(json.loads(line[6:])["choices"][0]["token_ids"])
+                if n:
+                    times.append(time.perf_counter())
+                    counts.append(n)
+    return Timing(sent, times, counts, time.perf_counter())
+
+
+async def drive(url: str, workload: Workload, rate: float, max_concurrency: int | None,
+                seed: int) -> tuple[list[Timing], float]:  # fmt: skip
+    """Send the workload (after one warm-up request); (timings, seconds from first send)."""
+    import httpx
+
+    limit = asyncio.Semaphore(max_concurrency or len(workload.max_tokens))
+    rng = random.Random(seed)
+
+    async def limited(http, prompt, max_tokens):
+        async with limit:
+            return await stream_one(http, prompt, max_tokens)
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as http:
+        await stream_one(http, workload.prompt_token_ids[0][:WARMUP_PROMPT_LEN], WARMUP_MAX_TOKENS)
+        start, tasks = time.perf_counter(), []
+        for prompt, max_tokens in zip(*workload):
+            tasks.append(asyncio.create_task(limited(http, prompt, max_tokens)))
+            if rate != math.inf:
+                await asyncio.sleep(rng.expovariate(rate))
+        timings = await asyncio.gather(*tasks)
+    return timings, max(t.done for t in timings) - start
+
+
+def percentiles(values: list[float]) -> str:
+    """p50 / p90 / p99 in milliseconds."""
+    import numpy as np
+
+    if not values:
+        return "-"
+    p50, p90, p99 = np.percentile(values, [50, 90, 99]) * 1000
+    return f"p50 {p50:.1f}  p90 {p90:.1f}  p99 {p99:.1f} ms"
+
+
+def free_port() -> int:
+    """A port of 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def serve_command(args, stage: int, device: str, dtype: str, port: int) -> list[str]:
+    """`python -m nanoserve serve` with the bench's model, stage, device, dtype and engine flags."""
+    command = [sys.executable, "-m", "nanoserve", "serve", "--model", args.model, "--stage",
+               str(stage), "--device", device, "--dtype", dtype, "--port", str(port),
+               "--served-model-name", SERVED_NAME, "--log-level", "warning"]  # fmt: skip
+    for name, value in engine_options(args).items():
+        command += [f"--{name.replace('_', '-')}", str(value)]
+    return command
+
+
+class ServerProcess:
+    """`nanoserve serve` in a subprocess, for the length of a `with` block; its log in a file."""
+
+    def __init__(self, command: list[str], port: int):
+        self.command, self.url = command, f"http://127.0.0.1:{port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="nanoserve-serve-")  # noqa: SIM115
+        self.process = None
+
+    def __enter__(self) -> str:
+        import httpx
+
+        self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT,
+                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"nanoserve serve exited ({self.process.returncode}):\n"
+                                   f"{self.log_tail()}")  # fmt: skip
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return self.url
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.__exit__()
+        raise RuntimeError(f"nanoserve serve was not ready in {STARTUP_TIMEOUT} s")
+
+    def __exit__(self, *exc) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)  # uvicorn's graceful shutdown
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+
+    def log_tail(self, num_chars: int = 3000) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()[-num_chars:]
+
+
+def served_result(timings: list[Timing], seconds: float, args) -> BenchResult:
+    """The served run as a row of the bench table."""
+    rate = "inf" if args.request_rate == math.inf else f"{args.request_rate:g}/s"
+    clients = args.max_concurrency or len(timings)
+    name = f"served, rate {rate}, {clients} clients"
+    return BenchResult(name, sum(t.num_tokens for t in timings), seconds, None)
+
+
+def latency_lines(timings: list[Timing]) -> list[str]:
+    """TTFT and ITL percentiles of the served run."""
+    ttft = [t.token_times[0] - t.sent for t in timings if t.token_times]
+    itl = [gap for t in timings for gap in t.inter_token_gaps()]
+    return [f"time to first token   {percentiles(ttft)}",
+            f"inter-token latency   {percentiles(itl)}"]  # fmt: skip
+
+
+def overhead_line(offline: BenchResult, served: BenchResult) -> str:
+    """How much throughput serving costs against the offline engine on the same requests."""
+    overhead = 1 - served.tokens_per_s / offline.tokens_per_s
+    return f"serving overhead      {overhead:.1%} of offline throughput"
+
+
+def run_drive(url: str, workload: Workload, args) -> tuple[list[Timing], float]:
+    """The client side, on a fresh event loop."""
+    return asyncio.run(drive(url, workload, args.request_rate, args.max_concurrency, args.seed))
