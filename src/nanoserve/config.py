@@ -30,9 +30,11 @@ class EngineConfig:
     enforce_eager: bool = False  # stage 08: never capture CUDA graphs (debugging, profiling)
     attention_backend: str = "auto"  # stage 04+: "auto" picks per device; the engine's backend
     # selector checks the name (it lives above config), so here it need only be a non-empty str
+    tensor_parallel_size: int = 1  # stage 09: processes (ranks) that each hold a slice of the model
 
     def __post_init__(self):
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                     "tensor_parallel_size"):  # fmt: skip
             self._require_count(name, optional=False)
         for name in ("num_slabs", "num_kv_blocks", "kv_cache_bytes"):
             self._require_count(name, optional=True)

@@ -18,6 +18,7 @@ from nanoserve.config import engine_config_for
 from nanoserve.engine.assemble import build_engine
 from nanoserve.models.loader import load_model_config, load_tokenizer, model_source
 from nanoserve.models.registry import DEFAULT_MODEL
+from nanoserve.parallel.group import start_engine
 from nanoserve.sampling import SamplingParams
 from nanoserve.stages import latest_stage, require_implemented
 from nanoserve.types import ModelSpec
@@ -89,7 +90,20 @@ class LLM:
         self.tokenizer = load_tokenizer(source)
         self.config = engine_config_for(self.model_config, **engine_options)
         spec = ModelSpec(source, self.dtype, self.device)
-        self.engine = build_engine(self.stage.number, self.config, spec, self.eos_ids(), components)
+        build = build_engine if self.config.tensor_parallel_size == 1 else start_engine
+        self.engine = build(self.stage.number, self.config, spec, self.eos_ids(), components)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done at exit; one rank: nothing to do)."""
+        workers = self.engine.runner.workers
+        if workers is not None:
+            workers.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
 
     @property
     def model(self):

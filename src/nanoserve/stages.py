@@ -112,7 +112,10 @@ STAGES: tuple[Stage, ...] = (
           _I),
     Stage(9, "09_tensor_parallel", "Tensor parallelism",
           "column/row/vocab-parallel layers, worker processes, NCCL (gloo on CPU)",
-          "stage 08 with one rank", ("parallel/",), False, _P),
+          "stage 08 with one rank",
+          ("layers/tensor_parallel.py", "layers/linear.py", "layers/embedding.py",
+           "layers/activation.py", "parallel/process_group.py", "parallel/worker.py",
+           "parallel/group.py"), False, _I),
     Stage(10, "10_serving", "Serving",
           "an async engine loop and an OpenAI-compatible HTTP server: streaming, abort on "
           "disconnect, metrics", "stage 09 (served tokens equal offline ones)", ("serving/",),

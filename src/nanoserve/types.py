@@ -124,6 +124,26 @@ class AttentionMetadata(NamedTuple):
         return len(self.host.context_lens)
 
 
+class StepRow(NamedTuple):
+    """One sequence's share of a step, as plain data: what a tensor-parallel worker receives.
+
+    A prompt of 7 tokens with 4 cached, table [3, 9] (block_size 4): token_ids = its last 3,
+    start = 4, so they sit at positions 4..6 and slots 9*4+0 .. 9*4+2.
+    """
+
+    token_ids: list[int]  # the tokens this step computes
+    start: int  # position of token_ids[0]: the tokens before it are cached (or not needed)
+    block_table: list[int]  # where the sequence's K/V lives ([] when nothing is stored)
+
+
+class StepMessage(NamedTuple):
+    """What rank 0 sends each tensor-parallel worker per step: enough to pack the same inputs."""
+
+    is_prefill: bool
+    rows: list[StepRow]  # one per sequence of the batch, in batch order
+    num_seqs: int
+
+
 class StepInputs(NamedTuple):
     """Everything one model call reads: packed token ids, their positions, the metadata."""
 

@@ -8,6 +8,7 @@ torch and the engine are imported inside functions so that building the CLI's pa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -123,11 +124,18 @@ def drive(engine, prompts: list[list[int]], params: list) -> list:
 def run_nanoserve(spec, model, stage: int, config: EngineConfig, workload: Workload) -> BenchResult:
     """Build the stage's engine on `model`, warm it up, and time the whole workload."""
     from nanoserve.engine.assemble import build_engine
+    from nanoserve.engine.compositions import COMPOSITIONS
     from nanoserve.layers.compiled import unfuse_small_ops
+    from nanoserve.parallel.group import start_engine
     from nanoserve.sampling import SamplingParams
 
     device = spec.device
-    engine = build_engine(stage, config, spec, model.config.eos_token_ids, model=model)
+    shards = COMPOSITIONS[stage].shards_model and config.tensor_parallel_size > 1
+    if shards:  # rank 0 and each worker build their own shard; the shared model sits idle
+        engine = start_engine(stage, config, spec, model.config.eos_token_ids)
+    else:  # a stage before 09 runs on one rank, beside the sharded one in the same table
+        config = dataclasses.replace(config, tensor_parallel_size=1)
+        engine = build_engine(stage, config, spec, model.config.eos_token_ids, model=model)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m)
               for m in [WARMUP_MAX_TOKENS, *workload.max_tokens]]  # fmt: skip
     drive(engine, [workload.prompt_token_ids[0][:WARMUP_PROMPT_LEN]], params[:1])  # warm-up
@@ -139,7 +147,10 @@ def run_nanoserve(spec, model, stage: int, config: EngineConfig, workload: Workl
     preemptions = engine.scheduler.num_preemptions - preemptions_before
     prefill_tokens = engine.num_prefill_tokens - prefill_before
     output_tokens = sum(seq.num_completion_tokens for seq in seqs)
-    name = f"nanoserve stage {stage} ({engine.attention.name})"
+    ranks = f", tp {config.tensor_parallel_size}" if shards else ""
+    name = f"nanoserve stage {stage} ({engine.attention.name}{ranks})"
+    if shards:
+        engine.runner.workers.shutdown()
     unfuse_small_ops(model)  # stage 08 fused the shared model's small ops: the next stage must not
     del engine, seqs
     release_memory(device)

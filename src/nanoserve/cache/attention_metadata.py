@@ -13,7 +13,7 @@ import itertools
 import numpy as np
 import torch
 
-from nanoserve.types import AttentionMetadata, HostMetadata, Sequence, StepInputs
+from nanoserve.types import AttentionMetadata, HostMetadata, Sequence, StepInputs, StepRow
 
 
 def slots_for(table: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -32,18 +32,35 @@ def pack_step(seqs: list[Sequence], tables: list[list[int]], block_size: int, de
     prefilled in chunks (0 means "all"). tables[i] is where sequence i's K/V lives, in blocks of
     block_size tokens (a stage-01 slab is one block of max_model_len tokens).
     """
+    rows = [step_row(seq, table, from_start) for seq, table in zip(seqs, tables)]
+    return pack_rows(rows, block_size, device, is_prefill=is_prefill)
+
+
+def step_row(seq: Sequence, table: list[int], from_start: bool = False) -> StepRow:
+    """What this step computes of seq: its tokens from num_cached_tokens (or 0) to chunk_end."""
+    start = 0 if from_start else seq.num_cached_tokens
+    return StepRow(seq.token_ids[start : chunk_end(seq)], start, table)
+
+
+def pack_rows(rows: list[StepRow], block_size: int, device, *, is_prefill: bool) -> StepInputs:
+    """The step's rows on one axis: ids, positions, slots, cu_seqlens, context lengths, tables.
+
+    A tensor-parallel worker packs the rows rank 0 sent it here, so every rank builds the same
+    inputs from the same code.
+    """
     input_ids, positions, slot_mapping, context_lens = [], [], [], []
     cu_seqlens_q, cu_seqlens_k = [0], [0]
-    for seq, table in zip(seqs, tables):
-        start, end = (0 if from_start else seq.num_cached_tokens), chunk_end(seq)
-        input_ids.extend(seq.token_ids[start:end])
+    for token_ids, start, table in rows:
+        end = start + len(token_ids)
+        input_ids.extend(token_ids)
         positions.extend(range(start, end))
         slot_mapping.extend(slots_for(table, start, end, block_size))
         cu_seqlens_q.append(cu_seqlens_q[-1] + end - start)
         cu_seqlens_k.append(cu_seqlens_k[-1] + end)
         context_lens.append(end)
     return step_inputs_from_lists(is_prefill, input_ids, positions, slot_mapping, cu_seqlens_q,
-                                  cu_seqlens_k, context_lens, tables, device)  # fmt: skip
+                                  cu_seqlens_k, context_lens, [r.block_table for r in rows],
+                                  device)  # fmt: skip
 
 
 def chunk_end(seq: Sequence) -> int:

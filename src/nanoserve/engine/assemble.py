@@ -16,6 +16,7 @@ from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.kernels.backend import log_choice, logger, select_attention_backend
 from nanoserve.layers.compiled import fuse_small_ops
+from nanoserve.layers.tensor_parallel import min_over_ranks
 from nanoserve.stages import require_implemented
 from nanoserve.types import ModelSpec
 
@@ -26,7 +27,7 @@ def build_engine(stage: int, config: EngineConfig, spec: ModelSpec, eos_ids, com
 
     The runner builds the model from `spec` (or reuses `model`, built from the same spec).
     """
-    require_implemented(stage)
+    require_shardable(stage, spec.tp_size)
     composition = COMPOSITIONS[stage]
     choice = select_attention_backend(config.attention_backend, spec.device,
                                       tuple(composition.attention))  # fmt: skip
@@ -34,17 +35,30 @@ def build_engine(stage: int, config: EngineConfig, spec: ModelSpec, eos_ids, com
     runner = ModelRunner(spec, model)
 
     def budget_bytes() -> int:
+        """This rank's budget, then the smallest over the ranks: every pool gets as many blocks
+        (rank 0's block ids must mean the same slots on every rank)."""
         on_cuda = spec.device.type == "cuda"
-        return kv_budget_bytes(config, spec.device,
-                               runner.warmup_peak_bytes(config) if on_cuda else 0)  # fmt: skip
+        budget = kv_budget_bytes(config, spec.device,
+                                 runner.warmup_peak_bytes(config) if on_cuda else 0)  # fmt: skip
+        return min_over_ranks(budget, runner.model.tp, spec.device)
 
-    sizing = Sizing(runner.model.config, spec.dtype, spec.device, budget_bytes)
+    sizing = Sizing(runner.model.config, spec.dtype, spec.device, budget_bytes, spec.tp_size)
     manager, cache = composition.build(config, sizing, parts)
     runner.bind(cache, composition.attention[choice.name](cache, parts))
     log_choice(choice)
     if composition.captures_decode:
         capture_decode_graphs(runner, config, choice.name)
     return LLMEngine(config, runner, manager, eos_ids, choice)
+
+
+def require_shardable(stage: int, tp_size: int) -> None:
+    """ValueError unless the stage exists and can run on tp_size processes."""
+    require_implemented(stage)
+    if tp_size > 1 and not COMPOSITIONS[stage].shards_model:
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} needs stage 9 or later (tensor parallelism); "
+            f"stage {stage} runs on one process: pass tensor_parallel_size=1"
+        )
 
 
 def capture_decode_graphs(runner: ModelRunner, config: EngineConfig, backend: str) -> None:

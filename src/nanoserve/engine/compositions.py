@@ -35,8 +35,16 @@ from nanoserve.engine.prefix_block_manager import PrefixBlockManager, chain_hash
 from nanoserve.engine.slab_manager import SlabManager
 from nanoserve.engine.table_manager import build_table_manager
 from nanoserve.kernels.attention import NoCacheAttention, attend
+from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from nanoserve.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from nanoserve.layers.norm import rms_norm
 from nanoserve.layers.rotary import apply_rotary, rope_cos_sin, rope_inv_freq, rotate_half
+from nanoserve.layers.tensor_parallel import padded_shard_range, shard_range
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.decoder import swiglu
 from nanoserve.sampling import filter_probs, sample_one
@@ -49,16 +57,18 @@ class Sizing(NamedTuple):
     dtype: torch.dtype
     device: torch.device
     budget_bytes: Callable[[], int]  # measured only when a pool must be sized from it
+    tp_size: int = 1  # stage 09: each rank stores only its 1/tp_size of the KV heads
 
     def units(self, tokens_per_unit: int, unit: str) -> int:
         """How many slabs or blocks of tokens_per_unit tokens fit the KV budget."""
-        per_token = kv_bytes_per_token(self.model_config, self.dtype)
+        per_token = kv_bytes_per_token(self.model_config, self.dtype) // self.tp_size
         return units_in_budget(self.budget_bytes(), per_token, tokens_per_unit, unit)
 
     def cache_shape(self) -> dict:
-        """Layer count, KV heads, head size, dtype and device, as the caches take them."""
+        """Layer count, this rank's KV heads, head size, dtype and device, as caches take them."""
         mc = self.model_config
-        return dict(num_layers=mc.num_hidden_layers, num_kv_heads=mc.num_key_value_heads,
+        num_kv_heads = mc.num_key_value_heads // self.tp_size
+        return dict(num_layers=mc.num_hidden_layers, num_kv_heads=num_kv_heads,
                     head_dim=mc.head_dim, dtype=self.dtype, device=self.device)  # fmt: skip
 
 
@@ -120,6 +130,7 @@ class Composition:
     learner_api: dict  # API name -> reference: every name the stage's starter.py defines
     parts_run_on: str | None = None  # the one backend that runs the parts (None: every backend)
     captures_decode: bool = False  # stage 08: decode steps replay CUDA graphs (on a GPU)
+    shards_model: bool = False  # stage 09: the model may span tensor_parallel_size processes
 
     def resolve(self, stage: int, components: dict | None, backend: str) -> dict:
         """The reference parts with the learner's components swapped in, every key checked."""
@@ -228,6 +239,16 @@ GRAPH_API = {
     "pad_decode": pad_decode,
     "fill_static": fill_static,
 }
+PARALLEL_API = {
+    "shard_range": shard_range,
+    "padded_shard_range": padded_shard_range,
+    "ColumnParallelLinear": ColumnParallelLinear,
+    "MergedColumnParallelLinear": MergedColumnParallelLinear,
+    "QKVParallelLinear": QKVParallelLinear,
+    "RowParallelLinear": RowParallelLinear,
+    "VocabParallelEmbedding": VocabParallelEmbedding,
+    "ParallelLMHead": ParallelLMHead,
+}
 LATER_BACKENDS = {"triton": reference_triton_attention, "torch": stage_04_attention}
 
 #   stage: Composition(builder, engine parts (replaceable), attention backends, learner API)
@@ -253,6 +274,10 @@ COMPOSITIONS: dict[int, Composition] = {
                    {"chain_hash": chain_hash, **PREFIX_PARTS}),
     8: Composition(build_prefix_cached, PREFIX_PARTS, LATER_BACKENDS, GRAPH_API,
                    captures_decode=True),
+    # Stage 09's layers are graded on their own, across real gloo ranks; its engine is stage
+    # 08's, run by tensor_parallel_size processes.
+    9: Composition(build_prefix_cached, PREFIX_PARTS, LATER_BACKENDS, PARALLEL_API,
+                   captures_decode=True, shards_model=True),
 }  # fmt: skip
 
 

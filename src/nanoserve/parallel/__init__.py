@@ -1,1 +1,1 @@
-"""Tensor parallelism (stage 09, planned): process groups, workers, a control channel."""
+"""Tensor parallelism (stage 09): the process group, the worker processes, the control channel."""
