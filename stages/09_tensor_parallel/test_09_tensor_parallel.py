@@ -199,7 +199,7 @@ def serve_rank(rank: int, size: int, port: int, conn, impl_name: str) -> None:
         impl = err
     conn.send(("ready", None))
     running = None
-    while (message := conn.recv()) is not None:
+    while (message := conn.recv()) is not None:  # None: the parent is done with this group
         try:
             if isinstance(impl, Exception):
                 raise impl
@@ -214,7 +214,7 @@ def serve_rank(rank: int, size: int, port: int, conn, impl_name: str) -> None:
             running = None
             where = traceback.format_exc(limit=-4)
             conn.send(("error", f"rank {rank}: {type(err).__name__}: {err}\n{where}"))
-    dist.destroy_process_group()
+    os._exit(0)  # at once: the group ends with its processes (a clean destroy waits for peers)
 
 
 if __name__ == RANK_PROGRAM:  # this file, run by runpy in a spawned rank process
@@ -313,12 +313,18 @@ class RankGroup:
         self.is_ready = False
 
 
+class RankGroups(dict):
+    """groups[size]: the RankGroup of that many ranks, started the first time a test asks."""
+
+    def __missing__(self, size: int) -> RankGroup:
+        self[size] = RankGroup(size)
+        return self[size]
+
+
 @pytest.fixture(scope="module")
 def ranks():
-    """ranks[size]: the group of that many ranks, started on first use, closed after the file."""
-    groups = {size: RankGroup(size) for size in (2, 4)}
-    for group in groups.values():  # both at once: their imports overlap
-        group.launch()
+    """ranks[size]: a group of 2 or 4 ranks, shared by the whole file, closed after it."""
+    groups = RankGroups()
     yield groups
     for group in groups.values():
         group.close()

@@ -100,9 +100,11 @@ def all_mutants() -> list[Mutant]:
         stage_06,
         stage_07,
         stage_08,
+        stage_09,
     )
 
-    stages = (stage_01, stage_02, stage_03, stage_04, stage_05, stage_06, stage_07, stage_08)
+    stages = (stage_01, stage_02, stage_03, stage_04, stage_05, stage_06, stage_07, stage_08,
+              stage_09)  # fmt: skip
     return [m for stage in stages for m in stage.MUTANTS]
 
 
