@@ -118,7 +118,10 @@ class WorkerGroup:
         sentinels = [p.sentinel for p in self.processes]
         while self.closed_because is None:
             if wait(sentinels, timeout=0.5) and self.closed_because is None:
-                dead = [p.name for p in self.processes if p.exitcode is not None]
+                dead = [f"{p.name} ({exit_story(p)})" for p in self.processes
+                        if p.exitcode not in (None, 0)]  # 0: stopped when asked, at exit  # fmt: skip
+                if not dead:
+                    return
                 logger.error("tensor-parallel worker died: %s", ", ".join(dead))
                 if self.backend == "nccl":
                     process_group.leave(broken=True)
