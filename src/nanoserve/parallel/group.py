@@ -119,7 +119,7 @@ class WorkerGroup:
         while self.closed_because is None:
             if wait(sentinels, timeout=0.5) and self.closed_because is None:
                 dead = [f"{p.name} ({exit_story(p)})" for p in self.processes
-                        if p.exitcode not in (None, 0)]  # 0: stopped when asked, at exit  # fmt: skip
+                        if p.exitcode not in (None, 0)]  # 0: asked to stop  # fmt: skip
                 if not dead:
                     return
                 logger.error("tensor-parallel worker died: %s", ", ".join(dead))
