@@ -118,8 +118,10 @@ STAGES: tuple[Stage, ...] = (
            "parallel/group.py"), False, _I),
     Stage(10, "10_serving", "Serving",
           "an async engine loop and an OpenAI-compatible HTTP server: streaming, abort on "
-          "disconnect, metrics", "stage 09 (served tokens equal offline ones)", ("serving/",),
-          False, _P),
+          "disconnect, metrics", "stage 09 (served tokens equal offline ones)",
+          ("engine/async_engine.py", "engine/request_stream.py", "serving/server.py",
+           "serving/generation.py", "serving/protocol.py", "serving/text.py",
+           "serving/metrics.py", "bench/serve.py"), False, _I),
 )  # fmt: skip
 
 

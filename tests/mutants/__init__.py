@@ -101,10 +101,11 @@ def all_mutants() -> list[Mutant]:
         stage_07,
         stage_08,
         stage_09,
+        stage_10,
     )
 
     stages = (stage_01, stage_02, stage_03, stage_04, stage_05, stage_06, stage_07, stage_08,
-              stage_09)  # fmt: skip
+              stage_09, stage_10)  # fmt: skip
     return [m for stage in stages for m in stage.MUTANTS]
 
 

@@ -54,6 +54,7 @@ class EngineThread:
         self.requests: dict[int, Request] = {}  # request_id -> tracked request (loop thread)
         self.commands: queue.SimpleQueue = queue.SimpleQueue()  # Add / Abort, in arrival order
         self.stats = EngineStats.of(engine)  # replaced by the loop thread after each iteration
+        self.failure: BaseException | None = None  # what stopped the loop thread, if it broke
         self._request_ids = itertools.count()
         self._thread: threading.Thread | None = None
 
@@ -84,7 +85,8 @@ class EngineThread:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
         """Queue a request for the loop; call it on an event loop, which will get its deltas."""
         if not self.is_running:
-            raise EngineError("the engine loop is not running")
+            raise EngineError(f"the engine loop is not running (it failed: {self.failure!r})"
+                              if self.failure else "the engine loop is not running")  # fmt: skip
         stream = RequestStream(next(self._request_ids), asyncio.get_running_loop())
         self.commands.put(Add(stream, list(prompt_token_ids), params))
         return stream
@@ -96,20 +98,33 @@ class EngineThread:
     # ---- the loop thread ----
 
     def _run(self) -> None:
-        while True:
-            commands = self._take_commands(block=not self.engine.has_unfinished())
-            if _STOP in commands:  # answer everyone, so no caller waits on a stopped loop
-                unapplied = [Delivery(c.stream, TokenDelta([], "abort"))
-                             for c in commands if isinstance(c, Add)]  # fmt: skip
-                self.deliver(unapplied + self.abort_all())
-                return
-            try:
-                deliveries = self.run_once(commands)
-            except Exception as err:  # a failed step must not take every later request with it
-                logger.exception("engine loop: a step failed; its requests are aborted")
-                deliveries = self.abort_all(EngineError(f"the engine failed: {err!r}"))
-            self.deliver(deliveries)
-            self.stats = EngineStats.of(self.engine)
+        commands = []
+        try:
+            while True:
+                commands = self._take_commands(block=not self.engine.has_unfinished())
+                if _STOP in commands:  # answer everyone: nobody may wait on a stopped loop
+                    late = unanswered(commands, self.requests, TokenDelta([], "abort"))
+                    self.deliver(late + self.abort_all())
+                    return
+                self.deliver(self._iterate(commands))
+                self.stats = EngineStats.of(self.engine)
+        except BaseException as err:  # the loop itself broke: tell whoever waits, then die
+            self.failure = err
+            error = EngineError(f"the engine loop stopped: {err!r}")
+            late = unanswered(commands, self.requests, error)
+            put_all_threadsafe(late + self.abort_all(error))
+            raise
+
+    def _iterate(self, commands: list) -> list[Delivery]:
+        """run_once, or, when it fails (a step raised), every request's end with the error: a
+        failed step must not stop the loop that later requests need."""
+        try:
+            return self.run_once(commands)
+        except Exception as err:
+            logger.exception("engine loop: an iteration failed; its requests are aborted")
+            error = EngineError(f"the engine failed: {err!r}")
+            late = unanswered(commands, self.requests, error)
+            return late + self.abort_all(error)
 
     def _take_commands(self, block: bool) -> list:
         """Every queued command; with nothing to step (block=True), wait for the first one."""
@@ -137,15 +152,6 @@ class EngineThread:
 
 class AsyncEngine(EngineThread):
     """An `LLMEngine` served to many asyncio callers: `generate` streams one request's tokens."""
-
-    def run_once(self, commands: list) -> list[Delivery]:
-        """One loop iteration: apply every command, step once if anything is left, fan out."""
-        deliveries = []
-        for command in commands:
-            deliveries += self.apply(command)
-        if self.engine.has_unfinished():
-            self.engine.step()
-        return deliveries + self.fan_out()
 
     def apply(self, command: Add | Abort) -> list[Delivery]:
         """Queue an Add's request (or deliver why the engine rejects it); carry out an Abort."""
@@ -176,6 +182,16 @@ class AsyncEngine(EngineThread):
             if seq.is_finished:
                 del self.requests[request_id]
         return deliveries
+
+    def run_once(self, commands: list) -> list[Delivery]:
+        """One turn of the loop: apply every command, step once if anything is left, fan out.
+        Commands come first, so an abort frees its blocks before the next step."""
+        deliveries = []
+        for command in commands:
+            deliveries += self.apply(command)
+        if self.engine.has_unfinished():
+            self.engine.step()
+        return deliveries + self.fan_out()
 
     def deliver(self, deliveries: list[Delivery]) -> None:
         """Hand each item to its stream on the stream's event loop: one wake-up per loop."""
@@ -211,3 +227,18 @@ def put_all(deliveries: list[Delivery]) -> None:
     """Put each item into its stream; runs on the streams' event loop (call_soon_threadsafe)."""
     for delivery in deliveries:
         delivery.stream.put(delivery.item)
+
+
+def unanswered(commands: list, requests: dict[int, Request], item) -> list[Delivery]:
+    """`item` for the stream of each Add in `commands` that the loop does not track: on the way
+    out of a failed iteration, the requests that would otherwise never hear back."""
+    return [Delivery(c.stream, item) for c in commands
+            if isinstance(c, Add) and c.stream.request_id not in requests]  # fmt: skip
+
+
+def put_all_threadsafe(deliveries: list[Delivery]) -> None:
+    """Hand deliveries over one by one, trusting nothing but call_soon_threadsafe (the way out
+    of a broken loop, which may not deliver by itself)."""
+    for delivery in deliveries:
+        with contextlib.suppress(RuntimeError):
+            delivery.stream.loop.call_soon_threadsafe(delivery.stream.put, delivery.item)

@@ -23,6 +23,7 @@ from nanoserve.cache.no_cache import NoCache
 from nanoserve.cache.slot_cache import SlotAttention, SlotKVCache
 from nanoserve.config import EngineConfig
 from nanoserve.engine.allocator import BlockAllocator, OutOfBlocks
+from nanoserve.engine.async_engine import AsyncEngine
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.block_table import BlockPosition, BlockTable
 from nanoserve.engine.cuda_graphs import (
@@ -278,6 +279,9 @@ COMPOSITIONS: dict[int, Composition] = {
     # 08's, run by tensor_parallel_size processes.
     9: Composition(build_prefix_cached, PREFIX_PARTS, LATER_BACKENDS, PARALLEL_API,
                    captures_decode=True, shards_model=True),
+    # Stage 10 serves stage 09's engine; its learner writes the loop around it (AsyncEngine).
+    10: Composition(build_prefix_cached, PREFIX_PARTS, LATER_BACKENDS,
+                    {"AsyncEngine": AsyncEngine}, captures_decode=True, shards_model=True),
 }  # fmt: skip
 
 

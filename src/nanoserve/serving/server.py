@@ -137,7 +137,7 @@ def api_key_check(api_key: str):
 
 
 def add_error_handlers(app: FastAPI) -> None:
-    """Every error as OpenAI's error object: APIError, validation, unknown routes, the rest."""
+    """Every error as OpenAI's error object: APIError, validation, unknown routes, bugs."""
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, err: APIError) -> Response:
@@ -156,6 +156,11 @@ def add_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, err: HTTPException) -> Response:
         kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
         return api_response(err.status_code, str(err.detail), type=kind)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, err: Exception) -> Response:
+        # a bug of ours (no bad request ends here): an error object that says what it was
+        return api_response(500, f"{type(err).__name__}: {err}", type="server_error")
 
 
 def api_response(status: int, message: str, param: str | None = None,

@@ -1,0 +1,514 @@
+"""Stage 10's graded contract: your engine loop (`AsyncEngine`) applies commands, fans tokens out,
+hands them across threads and streams them to callers, and its tokens are the offline engine's.
+
+Run against any implementation with `pytest stages/10_serving --impl ref|starter|yours.py`.
+Tasks 1 to 3 call your methods on the loop's side by hand, with no thread: the tests step the
+reference engine themselves. Task 4 calls `deliver` from a second thread into an event loop in
+asyncio's debug mode. Task 5 starts your loop's thread and consumes `generate`. Task 6 puts 64
+concurrent callers on it, a quarter hanging up, and then serves it over HTTP to the official
+openai client. The oracle is `LLM.generate` on an identical engine: a tiny random Llama in
+float64, block size 4, so the tokens must be equal, preemptions included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import random
+import threading
+import time
+
+import pytest
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.engine.request_stream import Abort, Add, Delivery, Request, RequestStream, TokenDelta
+
+STAGE = 10
+ENGINE = dict(stage=STAGE, device="cpu", dtype="float64", block_size=4, max_model_len=48)
+TIMEOUT = 30  # seconds; every wait below is bounded by it
+PROMPTS = [[11, 12, 13], [21, 22, 23, 24, 25, 26, 27, 28, 29], [31], [41, 42, 43, 44, 45]]
+MAX_TOKENS = [12, 7, 20, 15]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+
+def new_llm(folder, **options) -> LLM:
+    return LLM(str(folder), **{**ENGINE, "num_kv_blocks": 64, **options})
+
+
+def offline(folder, prompts, max_tokens, **options) -> list:
+    """(token ids, finish reason) per prompt, from LLM.generate on an identical engine."""
+    outs = new_llm(folder, **options).generate(prompts, [greedy(m) for m in max_tokens],
+                                               use_tqdm=False)  # fmt: skip
+    return [(out.token_ids, out.finish_reason) for out in outs]
+
+
+@pytest.fixture
+def idle_loop():
+    """An event loop that never runs: the streams of tasks 1 to 3 only need one to exist."""
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+def track(engine_loop, request_id: int, prompt, params, loop) -> RequestStream:
+    """Queue a request in the engine and track it as `apply` would (tasks 2 and 3)."""
+    stream = RequestStream(request_id, loop)
+    seq = engine_loop.engine.add_request(prompt, params)
+    engine_loop.requests[request_id] = Request(seq, stream)
+    return stream
+
+
+def run_to_end(engine_loop) -> list[Delivery]:
+    """Step the engine until it is idle, fanning out after every step (the loop, by hand)."""
+    deliveries = []
+    for _ in range(1000):
+        if not engine_loop.engine.has_unfinished():
+            return deliveries
+        engine_loop.engine.step()
+        deliveries += engine_loop.fan_out()
+    raise AssertionError("the engine never finished")
+
+
+def per_stream(deliveries: list[Delivery], streams) -> list[list]:
+    return [[d.item for d in deliveries if d.stream is s] for s in streams]
+
+
+def assert_idle(engine) -> None:
+    assert not engine.scheduler.waiting and not engine.scheduler.running, "requests left queued"
+    free, total = engine.manager.num_free_blocks, engine.manager.num_blocks
+    assert free == total, f"{total - free} KV blocks still held"
+    engine.manager.check_invariants()
+
+
+# ---- task 1: commands ----
+
+
+def test_task_1_an_accepted_request_is_queued_tracked_and_told_so(impl, tiny_llama_folder,
+                                                                   idle_loop):  # fmt: skip
+    engine_loop = impl.AsyncEngine(new_llm(tiny_llama_folder).engine)
+    stream = RequestStream(7, idle_loop)
+    out = engine_loop.apply(Add(stream, [1, 2, 3], greedy(4)))
+    assert out == [Delivery(stream, TokenDelta([], None))], "deliver an empty 'queued' delta"
+    assert list(engine_loop.requests) == [7], "track it under its stream's request_id"
+    seq = engine_loop.requests[7].seq
+    assert seq.prompt_token_ids == [1, 2, 3] and list(engine_loop.engine.scheduler.waiting) == [seq]
+
+
+def test_task_1_a_rejected_request_gets_its_error_and_disturbs_nobody(impl, tiny_llama_folder,
+                                                                      idle_loop):  # fmt: skip
+    engine_loop = impl.AsyncEngine(new_llm(tiny_llama_folder).engine)
+    good, bad = RequestStream(0, idle_loop), RequestStream(1, idle_loop)
+    engine_loop.apply(Add(good, [1, 2], greedy(4)))
+    out = engine_loop.apply(Add(bad, list(range(48)), greedy(4)))  # 48 tokens: max_model_len
+    assert len(out) == 1 and out[0].stream is bad, out
+    assert isinstance(out[0].item, ValueError) and "max_model_len" in str(out[0].item)
+    assert list(engine_loop.requests) == [0], "a rejected request is not tracked"
+    assert len(engine_loop.engine.scheduler.waiting) == 1
+
+
+def test_task_1_an_abort_frees_the_requests_blocks_at_once(impl, tiny_llama_folder, idle_loop):
+    engine_loop = impl.AsyncEngine(new_llm(tiny_llama_folder).engine)
+    engine, streams = engine_loop.engine, [RequestStream(i, idle_loop) for i in (3, 5)]
+    for stream, prompt in zip(streams, PROMPTS[:2]):
+        engine_loop.apply(Add(stream, prompt, greedy(10)))
+    engine.step()  # both prefill: 1 and 3 blocks of 4
+    kept = engine_loop.requests[5].seq
+    out = engine_loop.apply(Abort(3))
+    assert out == [Delivery(streams[0], TokenDelta([], "abort"))]
+    assert list(engine_loop.requests) == [5]
+    assert list(engine.scheduler.running) == [kept] and not engine.scheduler.waiting
+    assert engine.manager.num_free_blocks == engine.manager.num_blocks - 3, "free its blocks now"
+    engine.manager.check_invariants()
+
+
+def test_task_1_an_abort_takes_a_waiting_request_off_the_queue(impl, tiny_llama_folder, idle_loop):
+    engine_loop = impl.AsyncEngine(new_llm(tiny_llama_folder).engine)
+    stream = RequestStream(0, idle_loop)
+    engine_loop.apply(Add(stream, [1, 2, 3], greedy(4)))
+    assert engine_loop.apply(Abort(0)) == [Delivery(stream, TokenDelta([], "abort"))]
+    assert engine_loop.requests == {}
+    assert_idle(engine_loop.engine)
+
+
+def test_task_1_aborting_an_unknown_or_finished_request_does_nothing(impl, tiny_llama_folder,
+                                                                     idle_loop):  # fmt: skip
+    engine_loop = impl.AsyncEngine(new_llm(tiny_llama_folder).engine)
+    engine_loop.apply(Add(RequestStream(0, idle_loop), [1, 2, 3], greedy(4)))
+    assert engine_loop.apply(Abort(99)) == [], "never accepted, or finished: nothing to do"
+    assert list(engine_loop.requests) == [0] and len(engine_loop.engine.scheduler.waiting) == 1
+    engine_loop.apply(Abort(0))
+    assert engine_loop.apply(Abort(0)) == [], "aborting twice is aborting once"
+
+
+# ---- task 2: fanning tokens out ----
+
+
+def test_task_2_each_request_gets_exactly_its_offline_tokens_through_preemption(
+    impl, tiny_llama_folder, idle_loop
+):
+    small = dict(num_kv_blocks=10)  # 4 requests need up to 12 blocks: some are preempted
+    engine_loop = impl.AsyncEngine(new_llm(tiny_llama_folder, **small).engine)
+    streams = [track(engine_loop, i, p, greedy(m), idle_loop)
+               for i, (p, m) in enumerate(zip(PROMPTS, MAX_TOKENS))]  # fmt: skip
+    items = per_stream(run_to_end(engine_loop), streams)
+    assert engine_loop.engine.scheduler.num_preemptions > 0, "the pool was meant to run dry"
+    want = offline(tiny_llama_folder, PROMPTS, MAX_TOKENS, **small)
+    for i, (got, (want_ids, _)) in enumerate(zip(items, want)):
+        ids = [t for delta in got for t in delta.token_ids]
+        assert ids == want_ids, f"request {i}: its deltas add up to {ids}, want {want_ids}"
+
+
+def test_task_2_the_last_delta_and_only_it_carries_the_finish_reason(impl, tiny_llama_folder,
+                                                                     idle_loop):  # fmt: skip
+    engine_loop = impl.AsyncEngine(new_llm(tiny_llama_folder).engine)
+    streams = [track(engine_loop, i, p, greedy(m), idle_loop)
+               for i, (p, m) in enumerate(zip(PROMPTS, MAX_TOKENS))]  # fmt: skip
+    items = per_stream(run_to_end(engine_loop), streams)
+    want = offline(tiny_llama_folder, PROMPTS, MAX_TOKENS)
+    for i, (got, (want_ids, want_reason)) in enumerate(zip(items, want)):
+        reasons = [delta.finish_reason for delta in got]
+        assert reasons == [None] * (len(got) - 1) + [want_reason], f"request {i}: {reasons}"
+        assert got[-1].token_ids == want_ids[-1:], f"request {i}: the last delta has the last token"
+        assert all(delta.token_ids for delta in got), f"request {i}: a delta with no tokens"
+
+
+def test_task_2_a_finished_request_is_dropped_and_nothing_is_sent_twice(impl, tiny_llama_folder,
+                                                                       idle_loop):  # fmt: skip
+    engine_loop = impl.AsyncEngine(new_llm(tiny_llama_folder).engine)
+    short = track(engine_loop, 0, [1, 2], greedy(2), idle_loop)
+    long = track(engine_loop, 1, [3, 4], greedy(6), idle_loop)
+    for step in range(1, 7):
+        engine_loop.engine.step()
+        out = engine_loop.fan_out()
+        expected = [long] if step > 2 else [short, long]
+        assert [d.stream for d in out] == expected, f"step {step}: one delta per running request"
+        assert all(len(d.item.token_ids) == 1 for d in out), f"step {step}: one token each"
+        assert (0 in engine_loop.requests) == (step < 2), f"step {step}: drop it once finished"
+    assert engine_loop.requests == {} and engine_loop.fan_out() == []
+
+
+def test_task_2_a_waiting_request_gets_no_delivery(impl, tiny_llama_folder, idle_loop):
+    engine_loop = impl.AsyncEngine(new_llm(tiny_llama_folder, num_kv_blocks=4).engine)
+    first = track(engine_loop, 0, list(range(1, 9)), greedy(3), idle_loop)  # 2 blocks, then 3
+    track(engine_loop, 1, list(range(20, 29)), greedy(3), idle_loop)  # 3 blocks: it must wait
+    for step in range(1, 4):
+        engine_loop.engine.step()
+        assert len(engine_loop.engine.scheduler.waiting) == 1
+        out = engine_loop.fan_out()
+        assert [d.stream for d in out] == [first], f"step {step}: only the running request"
+
+
+# ---- task 3: one turn of the loop ----
+
+
+def count_steps(engine) -> list:
+    """Wrap engine.step to record, at each call, the sequences about to be scheduled."""
+    calls, step = [], engine.step
+
+    def recording_step():
+        calls.append(list(engine.scheduler.running) + list(engine.scheduler.waiting))
+        return step()
+
+    engine.step = recording_step
+    return calls
+
+
+def test_task_3_an_idle_engine_is_not_stepped(impl, tiny_llama_folder):
+    engine_loop = impl.AsyncEngine(new_llm(tiny_llama_folder).engine)
+    calls = count_steps(engine_loop.engine)
+    assert engine_loop.run_once([]) == [] and calls == []
+
+
+def test_task_3_commands_come_first_then_one_step_then_the_fan_out(impl, tiny_llama_folder,
+                                                                  idle_loop):  # fmt: skip
+    engine_loop = impl.AsyncEngine(new_llm(tiny_llama_folder).engine)
+    calls = count_steps(engine_loop.engine)
+    a, b, bad = (RequestStream(i, idle_loop) for i in range(3))
+    out = engine_loop.run_once([Add(a, [1, 2, 3], greedy(9)), Add(bad, [999], greedy(2)),
+                                Add(b, [4, 5], greedy(9))])  # fmt: skip
+    assert len(calls) == 1, "one step per turn"
+    assert [d.stream for d in out] == [a, bad, b, a, b], "commands' deliveries, then fan_out's"
+    assert isinstance(out[1].item, ValueError) and out[3].item.token_ids and out[4].item.token_ids
+    a_seq = engine_loop.requests[0].seq
+    out = engine_loop.run_once([Abort(0)])
+    assert a_seq not in calls[-1], "the abort must be applied before the next step"
+    assert [(d.stream, d.item.finish_reason) for d in out] == [(a, "abort"), (b, None)]
+    assert engine_loop.engine.manager.num_free_blocks == engine_loop.engine.manager.num_blocks - 1
+
+
+# ---- task 4: the handoff between threads ----
+
+
+def deliver_from_a_thread(engine_loop, deliveries) -> list[BaseException]:
+    """Call deliver on a second thread, as the loop thread does; the errors it raised there."""
+    errors = []
+
+    def run():
+        try:
+            engine_loop.deliver(deliveries)
+        except BaseException as err:
+            errors.append(err)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(TIMEOUT)
+    return errors
+
+
+async def receive(stream: RequestStream, n: int) -> list:
+    return [await stream.get() for _ in range(n)]
+
+
+def run_on_a_daemon_thread(main, timeout: float = 5):
+    """asyncio.run(main()) on a thread of its own, waited for at most `timeout` seconds.
+
+    An item put into an asyncio queue from a foreign thread can leave the consumer's task
+    wedged for good: even cancelling it never returns. Here that fails the test instead of
+    hanging it (the wedged thread is a daemon, and dies with the test process).
+    """
+    result = concurrent.futures.Future()
+
+    def run():
+        try:
+            result.set_result(asyncio.run(main()))
+        except BaseException as err:
+            result.set_exception(err)
+
+    threading.Thread(target=run, daemon=True).start()
+    try:
+        return result.result(timeout)
+    except concurrent.futures.TimeoutError:
+        raise AssertionError(
+            f"the items never reached their stream in {timeout} s: was its event "
+            "loop woken with call_soon_threadsafe?"
+        ) from None
+
+
+def test_task_4_items_reach_a_waiting_stream_in_order_from_another_thread(impl, tiny_llama_folder):
+    engine_loop = impl.AsyncEngine(new_llm(tiny_llama_folder).engine)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        loop.set_debug(True)  # asyncio then raises when touched from a foreign thread
+        stream = RequestStream(0, loop)
+        waiting = asyncio.ensure_future(receive(stream, 3))
+        await asyncio.sleep(0.05)  # the consumer is parked in stream.get()
+        items = [TokenDelta([]), TokenDelta([5]), TokenDelta([6], "length")]
+        errors = deliver_from_a_thread(engine_loop, [Delivery(stream, i) for i in items])
+        assert errors == [], f"deliver raised on the loop thread: {errors}"
+        got = await asyncio.wait_for(waiting, 2)
+        assert got == items
+
+    run_on_a_daemon_thread(main)
+
+
+def test_task_4_one_wake_up_per_event_loop_and_each_stream_its_own_items(impl, tiny_llama_folder):
+    engine_loop = impl.AsyncEngine(new_llm(tiny_llama_folder).engine)
+    other = asyncio.new_event_loop()  # a second event loop, running on its own thread
+    runner = threading.Thread(target=other.run_forever)
+    runner.start()
+    try:
+
+        async def main():
+            loop = asyncio.get_running_loop()
+            wakeups, original = [], loop.call_soon_threadsafe
+            loop.call_soon_threadsafe = lambda *a, **k: wakeups.append(a) or original(*a, **k)
+            mine = [RequestStream(0, loop), RequestStream(1, loop)]
+            theirs = RequestStream(2, other)
+            deliveries = [
+                Delivery(mine[0], TokenDelta([1])),
+                Delivery(theirs, TokenDelta([2])),
+                Delivery(mine[1], TokenDelta([3])),
+                Delivery(mine[0], TokenDelta([4])),
+            ]
+            assert deliver_from_a_thread(engine_loop, deliveries) == []
+            got = await asyncio.wait_for(asyncio.gather(receive(mine[0], 2), receive(mine[1], 1)),
+                                         2)  # fmt: skip
+            assert got == [[TokenDelta([1]), TokenDelta([4])], [TokenDelta([3])]]
+            assert len(wakeups) == 1, f"{len(wakeups)} call_soon_threadsafe calls for one loop"
+            theirs_got = asyncio.run_coroutine_threadsafe(receive(theirs, 1), other)
+            assert theirs_got.result(2) == [TokenDelta([2])]
+
+        run_on_a_daemon_thread(main)
+    finally:
+        other.call_soon_threadsafe(other.stop)
+        runner.join(TIMEOUT)
+        other.close()
+
+
+def test_task_4_a_closed_event_loop_is_skipped_without_raising(impl, tiny_llama_folder):
+    engine_loop = impl.AsyncEngine(new_llm(tiny_llama_folder).engine)
+    closed = asyncio.new_event_loop()
+    closed.close()
+
+    async def main():
+        alive = RequestStream(1, asyncio.get_running_loop())
+        deliveries = [Delivery(RequestStream(0, closed), TokenDelta([1])),
+                      Delivery(alive, TokenDelta([2]))]  # fmt: skip
+        assert deliver_from_a_thread(engine_loop, deliveries) == []
+        assert await asyncio.wait_for(receive(alive, 1), 2) == [TokenDelta([2])]
+
+    run_on_a_daemon_thread(main)
+
+
+# ---- task 5: what a caller sees ----
+
+
+class Running:
+    """Your loop's thread, started for a `with` block and shut down after it."""
+
+    def __init__(self, impl, llm: LLM):
+        self.engine_loop = impl.AsyncEngine(llm.engine)
+
+    def __enter__(self):
+        self.engine_loop.start()
+        return self.engine_loop
+
+    def __exit__(self, *exc):
+        self.engine_loop.shutdown(TIMEOUT)
+
+
+async def wait_until_idle(engine_loop) -> None:
+    """Until the loop has published a snapshot with nothing queued or running."""
+    deadline = time.monotonic() + TIMEOUT
+    while engine_loop.stats.num_running or engine_loop.stats.num_waiting:
+        assert time.monotonic() < deadline, "the engine never became idle"
+        await asyncio.sleep(0.005)
+    await asyncio.sleep(0.02)  # and the loop thread is parked again
+
+
+async def collect(agen) -> list[TokenDelta]:
+    return [delta async for delta in agen]
+
+
+def test_task_5_generate_yields_queued_then_the_offline_tokens(impl, tiny_llama_folder):
+    want_ids, want_reason = offline(tiny_llama_folder, PROMPTS[:1], [12])[0]
+    with Running(impl, new_llm(tiny_llama_folder)) as engine_loop:
+        got = asyncio.run(asyncio.wait_for(collect(engine_loop.generate(PROMPTS[0], greedy(12))),
+                                           TIMEOUT))  # fmt: skip
+    assert got[0] == TokenDelta([], None), "the first delta says: queued"
+    assert [t for delta in got for t in delta.token_ids] == want_ids
+    assert [delta.finish_reason for delta in got][-1] == want_reason
+    assert all(delta.finish_reason is None for delta in got[:-1])
+
+
+def test_task_5_a_rejected_request_raises_and_the_loop_serves_on(impl, tiny_llama_folder):
+    with Running(impl, new_llm(tiny_llama_folder)) as engine_loop:
+
+        async def main():
+            with pytest.raises(ValueError, match="token id 999"):
+                await collect(engine_loop.generate([1, 999], greedy(3)))
+            return await collect(engine_loop.generate([1, 2], greedy(3)))
+
+        got = asyncio.run(asyncio.wait_for(main(), TIMEOUT))
+        assert sum(len(delta.token_ids) for delta in got) == 3
+        assert_idle(engine_loop.engine)
+
+
+def test_task_5_closing_the_generator_aborts_the_request_within_one_step(impl, tiny_llama_folder):
+    llm = new_llm(tiny_llama_folder)
+    calls = count_steps(llm.engine)
+    with Running(impl, llm) as engine_loop:
+
+        async def main():
+            agen = engine_loop.generate([1, 2, 3], greedy(40))
+            for _ in range(3):  # queued, then two tokens
+                await agen.__anext__()
+            num_steps_before = len(calls)
+            await agen.aclose()  # the caller leaves: a client hung up
+            await wait_until_idle(engine_loop)
+            return calls[num_steps_before:]
+
+        later_steps = asyncio.run(asyncio.wait_for(main(), TIMEOUT))
+        assert sum(bool(running) for running in later_steps) <= 1, (
+            f"{len(later_steps)} steps ran the request after the caller left: abort it"
+        )
+        assert_idle(llm.engine)
+
+
+def test_task_5_a_cancelled_caller_aborts_its_request(impl, tiny_llama_folder):
+    llm = new_llm(tiny_llama_folder)
+    with Running(impl, llm) as engine_loop:
+
+        async def main():
+            received = []
+
+            async def consume():
+                async for delta in engine_loop.generate([4, 5, 6], greedy(40)):
+                    received.append(delta)
+
+            task = asyncio.ensure_future(consume())
+            while len(received) < 3:
+                await asyncio.sleep(0.001)
+            task.cancel()  # what the server does to a request whose client disconnected
+            await asyncio.gather(task, return_exceptions=True)
+            await wait_until_idle(engine_loop)
+            return received
+
+        received = asyncio.run(asyncio.wait_for(main(), TIMEOUT))
+        assert len(received) < 41 and engine_loop.engine.num_steps < 30
+        assert_idle(llm.engine)
+
+
+# ---- task 6: many callers, then HTTP ----
+
+
+def test_task_6_64_callers_a_quarter_hanging_up_get_their_tokens_and_leave_nothing(
+    impl, tiny_llama_folder
+):
+    rng = random.Random(6)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(1, 12))] for _ in range(64)]
+    max_tokens = [rng.randint(2, 16) for _ in prompts]
+    quitters = {i: rng.randint(1, max_tokens[i]) for i in rng.sample(range(64), 16)}
+    small = dict(num_kv_blocks=120)  # 64 requests need up to 448 blocks: many preemptions
+    want = offline(tiny_llama_folder, prompts, max_tokens, **small)
+    llm = new_llm(tiny_llama_folder, **small)
+    with Running(impl, llm) as engine_loop:
+
+        async def one(i):
+            got, agen = [], engine_loop.generate(prompts[i], greedy(max_tokens[i]))
+            try:
+                async for delta in agen:
+                    got += delta.token_ids
+                    if i in quitters and len(got) >= quitters[i]:
+                        break
+            finally:
+                await agen.aclose()
+            return got
+
+        async def main():
+            got = await asyncio.gather(*[one(i) for i in range(64)])
+            await wait_until_idle(engine_loop)
+            return got
+
+        got = asyncio.run(asyncio.wait_for(main(), TIMEOUT))
+        for i, (ids, (want_ids, _)) in enumerate(zip(got, want)):
+            expected = want_ids[: len(ids)] if i in quitters else want_ids
+            assert ids == expected, f"caller {i}"
+        assert engine_loop.requests == {}, "every request leaves the loop's table"
+        assert_idle(llm.engine)
+    assert not [t for t in threading.enumerate() if t.name == "nanoserve-engine-loop"]
+
+
+def test_task_6_the_openai_client_gets_the_offline_tokens_from_your_loop(impl, tiny_llama_folder):
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from nanoserve.serving.server import create_app
+    from nanoserve.testing import ServerThread
+
+    want_ids, want_reason = offline(tiny_llama_folder, PROMPTS[1:2], [15])[0]
+    llm = new_llm(tiny_llama_folder)
+    app = create_app(llm, "tiny", loop=impl.AsyncEngine(llm.engine))
+    with ServerThread(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=TIMEOUT)
+        request = dict(model="tiny", prompt=PROMPTS[1], max_tokens=15, temperature=0,
+                       extra_body={"ignore_eos": True})  # fmt: skip
+        chunks = list(client.completions.create(stream=True, **request))
+        whole = client.completions.create(**request)
+    streamed = [t for c in chunks for t in c.choices[0].model_extra["token_ids"]]
+    assert streamed == want_ids and chunks[-1].choices[0].finish_reason == want_reason
+    assert whole.choices[0].model_extra["token_ids"] == want_ids
+    assert_idle(llm.engine)
