@@ -87,7 +87,7 @@ class EngineThread:
         if not self.is_running:
             raise EngineError(f"the engine loop is not running (it failed: {self.failure!r})"
                               if self.failure else "the engine loop is not running")  # fmt: skip
-        stream = RequestStream(next(self._request_ids), asyncio.get_running_loop())
+        stream = RequestStream(next(self._request_ids), asyncio.get_running_loop(), coalesce=True)
         self.commands.put(Add(stream, list(prompt_token_ids), params))
         return stream
 

@@ -14,6 +14,7 @@ request's own event loop. Plain data and one asyncio queue; the loop itself is a
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -39,20 +40,44 @@ class RequestStream:
     The loop thread never touches the queue itself: asyncio objects are not thread-safe, so a
     delivery is handed over with `loop.call_soon_threadsafe(stream.put, item)`, and `put` runs
     on this stream's own loop.
+
+    With `coalesce=True` (what `EngineThread.add_request` asks for), a reader that falls behind
+    the engine gets its waiting tokens as one delta: a TokenDelta put behind another that still
+    waits and carries tokens is joined onto it. A server writing 256 streams then sends one
+    event per stream per wake-up, not one per step it missed, so a slow event loop catches up
+    instead of falling further behind (vLLM's output collector does the same). The empty
+    "accepted" delta, an error, and anything after a finish_reason are never joined.
     """
 
-    def __init__(self, request_id: int, loop: asyncio.AbstractEventLoop):
+    def __init__(self, request_id: int, loop: asyncio.AbstractEventLoop, coalesce: bool = False):
         self.request_id = request_id
         self.loop = loop
-        self._queue: asyncio.Queue[TokenDelta | Exception] = asyncio.Queue()
+        self.coalesce = coalesce
+        self._items: deque[TokenDelta | Exception] = deque()
+        self._ready = asyncio.Event()  # set while _items is not empty
 
     def put(self, item: TokenDelta | Exception) -> None:
         """Queue a delivery; call it on `self.loop`'s thread only."""
-        self._queue.put_nowait(item)
+        last = self._items[-1] if self._items else None
+        if self.coalesce and joinable(last, item):
+            self._items[-1] = TokenDelta(last.token_ids + item.token_ids, item.finish_reason)
+        else:
+            self._items.append(item)
+        self._ready.set()
 
     async def get(self) -> TokenDelta | Exception:
         """The next delivery, waiting for it if none is queued."""
-        return await self._queue.get()
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.popleft()
+
+
+def joinable(waiting, item) -> bool:
+    """True if `item` may be joined onto `waiting`: both TokenDeltas, and `waiting` carries
+    tokens and no finish_reason."""
+    return (isinstance(waiting, TokenDelta) and isinstance(item, TokenDelta)
+            and bool(waiting.token_ids) and waiting.finish_reason is None)  # fmt: skip
 
 
 class Delivery(NamedTuple):

@@ -126,8 +126,9 @@ class Generation:
         now = time.perf_counter()
         if self.num_tokens == 0:
             self.metrics.time_to_first_token.observe(now - self.arrival)
-        else:
-            self.metrics.inter_token_latency.observe(now - self.last_token_time)
+        else:  # a delta of k tokens (a reader that fell behind) counts k equal gaps
+            gap = (now - self.last_token_time) / len(token_ids)
+            self.metrics.inter_token_latency.observe(gap, times=len(token_ids))
         self.last_token_time = now
         self.num_tokens += len(token_ids)
         self.metrics.num_generation_tokens += len(token_ids)

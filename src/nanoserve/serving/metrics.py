@@ -28,11 +28,11 @@ class Histogram:
         self.sum = 0.0
         self.count = 0
 
-    def observe(self, value: float) -> None:
-        """Count one value."""
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.count += 1
+    def observe(self, value: float, times: int = 1) -> None:
+        """Count a value (`times` times over)."""
+        self.counts[bisect.bisect_left(self.buckets, value)] += times
+        self.sum += value * times
+        self.count += times
 
     def lines(self, name: str) -> list[str]:
         """The histogram's sample lines: name_bucket{le=...} (cumulative), name_sum, name_count."""
