@@ -232,8 +232,8 @@ def test_a_reader_that_falls_behind_gets_its_waiting_tokens_as_one_delta():
     assert joined[:3] == [TokenDelta([]), TokenDelta([5, 6, 7, 8], "length"),
                           TokenDelta([], "abort")]  # fmt: skip
     assert isinstance(joined[3], ValueError)  # the accepted delta, an end and an error stay alone
-    assert asyncio.run(main(coalesce=False))[:4] == [TokenDelta([]), TokenDelta([5]),
-                                                     TokenDelta([6, 7]), TokenDelta([8], "length")]  # fmt: skip
+    one_by_one = [TokenDelta([]), TokenDelta([5]), TokenDelta([6, 7]), TokenDelta([8], "length")]
+    assert asyncio.run(main(coalesce=False))[:4] == one_by_one
 
 
 def test_a_client_that_hangs_up_mid_stream_aborts_its_request(served):
@@ -373,3 +373,65 @@ def test_bench_serve_times_the_workload_offline_and_over_http(folder, capsys):
     assert re.search(r"^time to first token   p50 [\d.]+  p90 [\d.]+  p99 [\d.]+ ms$", out, re.M)
     assert re.search(r"^inter-token latency   p50 [\d.]+", out, re.M)
     assert re.search(r"^serving overhead      -?[\d.]+% of offline throughput$", out, re.M)
+
+
+# ---- the engine loop in a process of its own (what `nanoserve serve` runs) ----
+
+
+def test_an_engine_process_serves_the_offline_tokens_and_a_killed_one_fails_cleanly(
+    folder, offline
+):
+    import os
+    import signal
+
+    from nanoserve.serving.engine_process import EngineClient
+
+    threads_before = set(threading.enumerate())
+    client_side = EngineClient(folder, **ENGINE)
+    app = create_app(client_side, MODEL, loop=client_side)
+    with ServerThread(app, timeout=TIMEOUT) as url:
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key="-", timeout=TIMEOUT, max_retries=0)
+        want_ids, want_text, _ = offline_ids(offline, "Once upon a time", max_tokens=30)
+        chunks = list(api.completions.create(model=MODEL, prompt="Once upon a time", stream=True,
+                                             max_tokens=30, temperature=0))  # fmt: skip
+        assert [t for c in chunks for t in c.choices[0].model_extra["token_ids"]] == want_ids
+        assert "".join(c.choices[0].text for c in chunks) == want_text
+        messages = [{"role": "user", "content": "Hi!"}]
+        (want,) = offline.chat(messages, SamplingParams(max_tokens=12), use_tqdm=False)
+        reply = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+                                            temperature=0)  # fmt: skip
+        assert reply.choices[0].message.content == want.text
+        too_long = {"model": MODEL, "prompt": list(range(100))}  # max_model_len is 96
+        rejected = httpx.post(f"{url}/v1/completions", json=too_long)
+        assert rejected.status_code == 400 and rejected.json()["error"]["param"] == "prompt"
+        wait_until_idle(url)
+        metrics = httpx.get(f"{url}/metrics").text
+        assert gauge(metrics, "kv_blocks_used") == 0 and gauge(metrics, "kv_blocks_free") == 160
+
+        os.kill(client_side.process.pid, signal.SIGKILL)  # the engine process dies
+        for _ in range(int(TIMEOUT / 0.01)):
+            if httpx.get(f"{url}/health").status_code == 503:
+                break
+            threading.Event().wait(0.01)
+        assert httpx.get(f"{url}/health").status_code == 503
+        late = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi"})
+        assert late.status_code == 503 and "killed by signal 9" in late.json()["error"]["message"]
+    assert not client_side.process.is_alive()
+    leaked = [t.name for t in set(threading.enumerate()) - threads_before if t.is_alive()]
+    assert [name for name in leaked if "tqdm" not in name] == [], leaked  # tqdm's is offline's
+
+
+def test_an_engine_process_stops_with_the_server_and_aborts_what_runs(folder):
+    from nanoserve.serving.engine_process import EngineClient
+
+    client_side = EngineClient(folder, **ENGINE)
+    got = []
+    with ServerThread(create_app(client_side, MODEL, loop=client_side), timeout=TIMEOUT) as url:
+
+        async def one_long_stream():
+            async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as http:
+                got.append(await stream_tokens(http, [1, 2, 3], 90, hang_up_after=2))
+
+        asyncio.run(asyncio.wait_for(one_long_stream(), TIMEOUT))
+    assert len(got[0]) >= 2
+    assert client_side.process.exitcode == 0, "Stop, not a kill, ended the engine process"

@@ -53,6 +53,12 @@ def add_serve_parser(subparsers) -> None:
     )
     serve.add_argument("--max-body-bytes", type=int, default=2**20, help="413 above this")
     serve.add_argument("--log-level", default="info", help="uvicorn's: warning, info, debug")
+    serve.add_argument(
+        "--engine-in-process",
+        action="store_true",
+        help="run the engine loop as a thread of the server process, as stage 10 builds it "
+        "(default: a process of its own, so HTTP work never waits on its GIL)",
+    )
     add_engine_source_args(serve)
 
 
@@ -162,11 +168,19 @@ def cmd_serve(args) -> int:
     except ImportError as err:
         raise ValueError(f"serving needs FastAPI and uvicorn ({err}); install them with "
                          "pip install 'nanoserve[serve]'") from None  # fmt: skip
-    llm = make_llm(args)
-    app = create_app(llm, args.served_model_name or args.model, args.api_key,
-                     args.max_body_bytes)  # fmt: skip
-    print(f"nanoserve serve: {args.model}, stage {llm.stage.number}, http://{args.host}:"
-          f"{args.port}/v1", flush=True)  # fmt: skip
+    name = args.served_model_name or args.model
+    if args.engine_in_process:
+        llm = make_llm(args)
+        app = create_app(llm, name, args.api_key, args.max_body_bytes)
+    else:
+        from nanoserve.serving.engine_process import EngineClient
+
+        llm = EngineClient(args.model, stage=args.stage, device=args.device, dtype=args.dtype,
+                           **engine_options(args))  # fmt: skip
+        app = create_app(llm, name, args.api_key, args.max_body_bytes, loop=llm)
+    where = "this process" if args.engine_in_process else "its own process"
+    print(f"nanoserve serve: {args.model}, stage {llm.stage.number} (engine loop in {where}), "
+          f"http://{args.host}:{args.port}/v1", flush=True)  # fmt: skip
     run_server(app, args.host, args.port, args.log_level)
     return 0
 

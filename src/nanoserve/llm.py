@@ -72,6 +72,11 @@ def checked_ids(prompt, index: int) -> list[int]:
     return [int(t) for t in prompt]
 
 
+def chat_prompt(tokenizer, conversation: list[dict]) -> str:
+    """The prompt text for a conversation, ending where the assistant's turn begins."""
+    return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+
+
 class LLM:
     """A model plus the engine of one stage."""
 
@@ -146,9 +151,7 @@ class LLM:
     def apply_chat_template(self, conversation: list[dict]) -> str:
         """The prompt text for a conversation, ending where the assistant's turn begins."""
         self._need_tokenizer()
-        return self.tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=True
-        )
+        return chat_prompt(self.tokenizer, conversation)
 
     def stream(self, prompt: str, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield pieces of the completion text as tokens are produced."""

@@ -77,6 +77,11 @@ class EngineThread:
             raise RuntimeError(f"the engine loop did not stop within {timeout} s")
         self._thread = None
 
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the loop thread ends (a shutdown, or the loop broke: see `failure`)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+
     @property
     def is_running(self) -> bool:
         """True while the loop thread is alive."""
@@ -112,7 +117,7 @@ class EngineThread:
             self.failure = err
             error = EngineError(f"the engine loop stopped: {err!r}")
             late = unanswered(commands, self.requests, error)
-            put_all_threadsafe(late + self.abort_all(error))
+            self.deliver_regardless(late + self.abort_all(error))
             raise
 
     def _iterate(self, commands: list) -> list[Delivery]:
@@ -142,6 +147,11 @@ class EngineThread:
                       for request in self.requests.values()]  # fmt: skip
         self.requests.clear()
         return deliveries
+
+    def deliver_regardless(self, deliveries: list[Delivery]) -> None:
+        """The way out of a broken loop: hand each item over one by one, trusting nothing the
+        loop built (deliver may be what broke)."""
+        put_all_threadsafe(deliveries)
 
     def run_once(self, commands: list) -> list[Delivery]:
         raise NotImplementedError  # AsyncEngine's
