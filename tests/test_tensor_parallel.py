@@ -162,14 +162,20 @@ def test_exit_and_ctrl_c_leave_no_worker_behind(tmp_path, ending):
     out = run_script(
         """
         import sys
+        import time
         from nanoserve import LLM
         from nanoserve.sampling import SamplingParams
+
+        def on_step(record):
+            print("step", record.step, flush=True)
+            if record.step == 5 and sys.argv[1] == "400":
+                time.sleep(60)  # Ctrl-C lands here, mid-generate, however slow the reader is
 
         if __name__ == "__main__":
             llm = LLM("tiny-llama", stage=9, tensor_parallel_size=2, device="cpu",
                       dtype="float64", kv_cache_bytes=2**24)
             print("workers", *[p.pid for p in llm.engine.runner.workers.processes], flush=True)
-            llm.engine.on_step = lambda r: print("step", r.step, flush=True)
+            llm.engine.on_step = on_step
             params = SamplingParams(max_tokens=int(sys.argv[1]), ignore_eos=True)
             try:
                 llm.generate([[1, 2, 3]] * 4, params, use_tqdm=False)
