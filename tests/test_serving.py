@@ -364,15 +364,36 @@ def test_bench_serve_times_the_workload_offline_and_over_http(folder, capsys):
     args = ["bench", "--serve", "--model", folder, "--device", "cpu", "--dtype", "float64",
             "--num-seqs", "6", "--max-input-len", "16", "--max-output-len", "8",
             "--max-model-len", "64", "--block-size", "4", "--num-kv-blocks", "64",
-            "--request-rate", "100", "--seed", "3"]  # fmt: skip
+            "--request-rate", "100", "--seed", "3", "--client-processes", "2"]  # fmt: skip
     assert main(args) == 0
     out = capsys.readouterr().out
-    offline, served = re.findall(r"^(?:nanoserve stage \d+|served, rate 100/s, 6 clients).*$",
-                                 out, re.M)  # fmt: skip
-    assert offline.split()[4] == served.split()[5], "the same output tokens on both sides"
+    row = (
+        r"^(?:nanoserve stage \d+ \(\w+\)|served, rate 100/s, 6 clients in 2 processes) +([\d,]+) "
+    )
+    offline, served = re.findall(row, out, re.M)
+    assert offline == served, "the same output tokens on both sides"
     assert re.search(r"^time to first token   p50 [\d.]+  p90 [\d.]+  p99 [\d.]+ ms$", out, re.M)
     assert re.search(r"^inter-token latency   p50 [\d.]+", out, re.M)
     assert re.search(r"^serving overhead      -?[\d.]+% of offline throughput$", out, re.M)
+
+
+def test_bench_serve_schedules_seeded_arrivals_and_shares_them_out_exactly():
+    from nanoserve.bench.serve import schedule, share_out
+    from nanoserve.bench.workload import make_workload
+
+    workload = make_workload(num_seqs=10, max_input_len=8, max_output_len=4)
+    assert [r.send_at for r in schedule(workload, float("inf"), seed=0)] == [0.0] * 10
+    arrivals = schedule(workload, 5.0, seed=1)
+    assert arrivals == schedule(workload, 5.0, seed=1), "the same seed, the same arrivals"
+    times = [r.send_at for r in arrivals]
+    assert times[0] == 0.0 and times == sorted(times) and len(set(times)) == 10
+    assert [(r.prompt, r.max_tokens) for r in arrivals] == list(zip(*workload))
+    shares, limits = share_out(arrivals, 3, max_concurrency=7)
+    assert sorted(r.send_at for share in shares for r in share) == times, "each request once"
+    assert limits == [3, 2, 2], "the limit is shared out exactly"
+    assert share_out(arrivals, 4, max_concurrency=2)[1] == [1, 1], "no process without a slot"
+    two = arrivals[:2]
+    assert share_out(two, 4, max_concurrency=None) == ([two[:1], two[1:]], [None, None])
 
 
 # ---- the engine loop in a process of its own (what `nanoserve serve` runs) ----

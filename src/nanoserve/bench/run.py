@@ -238,7 +238,7 @@ def run_serve_bench(args, stages: list[int]) -> int:
     if args.url:
         workload = bench_workload(args, None)  # the server rejects ids outside its vocabulary
         url = args.url.rstrip("/")
-        timings, seconds = serve.run_drive(url, workload, args)
+        timings, seconds = serve.drive(url, workload, args)
     else:
         spec, model = load_bench_model(args)
         workload = bench_workload(args, model.config.vocab_size)
@@ -252,7 +252,7 @@ def run_serve_bench(args, stages: list[int]) -> int:
         port = serve.free_port()
         command = serve.serve_command(args, stages[0], spec.device.type, dtype, port)
         with serve.ServerProcess(command, port) as url:
-            timings, seconds = serve.run_drive(url, workload, args)
+            timings, seconds = serve.drive(url, workload, args)
     results.append(serve.served_result(timings, seconds, args))
     lines = format_table(results) + serve.latency_lines(timings)
     if len(results) == 2:

@@ -6,6 +6,11 @@ Introduced in stage 10. It times the benchmark workload offline (`LLMEngine` dri
 clients, arriving all at once (`--request-rate inf`) or as a seeded Poisson process. It reports
 output tokens/s on both sides, the serving overhead, and time to first token and inter-token
 latency percentiles, as vLLM's serving benchmark does. Like `bench`, it asserts nothing.
+
+The clients can be spread over several processes (`--client-processes`): one Python process
+parsing 256 event streams falls behind a fast server, and then it times its own backlog (bursts
+of chunks read at one instant) instead of the server. Every process reads the same monotonic
+clock, so their times compare.
 """
 
 from __future__ import annotations
@@ -71,9 +76,21 @@ def add_serve_bench_args(parser) -> None:
         "--max-concurrency",
         type=int,
         default=None,
-        help="clients with a request in flight, at most (default: no limit)",
+        help="clients with a request in flight, at most, shared out over the client processes "
+        "(default: no limit)",
     )
     group.add_argument("--seed", type=int, default=0, help="seeds the arrival times")  # fmt: skip
+    group.add_argument(
+        "--client-processes",
+        type=int,
+        default=None,
+        help="processes the clients are spread over (default: one per 4 CPUs, 1 to 4)",
+    )
+
+
+def default_client_processes() -> int:
+    """One client process per 4 CPUs, from 1 to 4: the server and the engine need the rest."""
+    return min(4, max(1, (os.cpu_count() or 1) // 4))
 
 
 async def stream_one(http, prompt: list[int], max_tokens: int) -> Timing:
@@ -95,28 +112,115 @@ async def stream_one(http, prompt: list[int], max_tokens: int) -> Timing:
     return Timing(sent, times, counts, time.perf_counter())
 
 
-async def drive(url: str, workload: Workload, rate: float, max_concurrency: int | None,
-                seed: int) -> tuple[list[Timing], float]:  # fmt: skip
-    """Send the workload (after one warm-up request); (timings, seconds from first send)."""
+class Request(NamedTuple):
+    """One request of the workload, and when to send it (seconds after the start)."""
+
+    prompt: list[int]
+    max_tokens: int
+    send_at: float
+
+
+def schedule(workload: Workload, rate: float, seed: int) -> list[Request]:
+    """The workload's requests with their send times: all at 0, or seeded Poisson arrivals."""
+    rng, send_at, requests = random.Random(seed), 0.0, []
+    for prompt, max_tokens in zip(*workload):
+        requests.append(Request(prompt, max_tokens, send_at))
+        if rate != math.inf:
+            send_at += rng.expovariate(rate)
+    return requests
+
+
+async def drive_share(url: str, requests: list[Request], max_concurrency: int | None,
+                      start: float) -> list[Timing]:  # fmt: skip
+    """Send these requests, each at start + its send_at, at most max_concurrency at a time."""
     import httpx
 
-    limit = asyncio.Semaphore(max_concurrency or len(workload.max_tokens))
-    rng = random.Random(seed)
-
-    async def limited(http, prompt, max_tokens):
-        async with limit:
-            return await stream_one(http, prompt, max_tokens)
-
+    limit = asyncio.Semaphore(max_concurrency or max(1, len(requests)))
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as http:
-        await stream_one(http, workload.prompt_token_ids[0][:WARMUP_PROMPT_LEN], WARMUP_MAX_TOKENS)
-        start, tasks = time.perf_counter(), []
-        for prompt, max_tokens in zip(*workload):
-            tasks.append(asyncio.create_task(limited(http, prompt, max_tokens)))
-            if rate != math.inf:
-                await asyncio.sleep(rng.expovariate(rate))
-        timings = await asyncio.gather(*tasks)
+
+        async def send(request: Request) -> Timing:
+            await asyncio.sleep(max(0.0, start + request.send_at - time.perf_counter()))
+            async with limit:
+                return await stream_one(http, request.prompt, request.max_tokens)
+
+        return await asyncio.gather(*(send(r) for r in requests))
+
+
+def client_process(conn, url: str, requests: list[Request], max_concurrency: int | None) -> None:
+    """A client process: say "ready", wait for the start time, send its share, return timings."""
+    import httpx  # noqa: F401  (imported before "ready", so the start is not spent importing)
+
+    try:
+        conn.send("ready")
+        start = conn.recv()
+        conn.send(("timings", asyncio.run(drive_share(url, requests, max_concurrency, start))))
+    except Exception as err:  # the parent raises it, with what the server answered
+        conn.send(("failed", f"{type(err).__name__}: {err}"))
+    finally:
+        conn.close()
+
+
+def drive_in_processes(url: str, shares: list[list[Request]],
+                       limits: list[int | None]) -> tuple[list[Timing], float]:  # fmt: skip
+    """Each share from a client process of its own, all starting at one instant of the clock."""
+    import multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    pipes, processes = [], []
+    try:
+        for share, limit in zip(shares, limits):
+            ours, theirs = context.Pipe()
+            process = context.Process(target=client_process, name="nanoserve-bench-client",
+                                      args=(theirs, url, share, limit), daemon=True)  # fmt: skip
+            process.start()
+            theirs.close()
+            pipes.append(ours)
+            processes.append(process)
+        for conn in pipes:
+            if conn.recv() != "ready":
+                raise RuntimeError("a client process did not start")
+        start = time.perf_counter() + 0.05  # every process has the start before it comes
+        for conn in pipes:
+            conn.send(start)
+        timings = []
+        for conn in pipes:
+            kind, detail = conn.recv()
+            if kind != "timings":
+                raise RuntimeError(f"a client process failed: {detail}")
+            timings += detail
+    finally:
+        for process in processes:
+            process.join(5)
+            if process.is_alive():
+                process.kill()
     return timings, max(t.done for t in timings) - start
+
+
+def drive(url: str, workload: Workload, args) -> tuple[list[Timing], float]:
+    """Send the workload (after one warm-up request); (timings, seconds from the start)."""
+    num_processes = args.client_processes or default_client_processes()
+    requests = schedule(workload, args.request_rate, args.seed)
+    warm_up = Request(workload.prompt_token_ids[0][:WARMUP_PROMPT_LEN], WARMUP_MAX_TOKENS, 0.0)
+    asyncio.run(drive_share(url, [warm_up], None, time.perf_counter()))
+    if num_processes == 1:
+        start = time.perf_counter()
+        timings = asyncio.run(drive_share(url, requests, args.max_concurrency, start))
+        return timings, max(t.done for t in timings) - start
+    shares, limits = share_out(requests, num_processes, args.max_concurrency)
+    return drive_in_processes(url, shares, limits)
+
+
+def share_out(
+    requests: list[Request], num_processes: int, max_concurrency: int | None
+) -> tuple[list[list[Request]], list[int | None]]:
+    """(requests, concurrency limit) of each client process: round robin, the limit exactly."""
+    num_processes = min(num_processes, len(requests), max_concurrency or len(requests))
+    shares = [requests[i::num_processes] for i in range(num_processes)]
+    if not max_concurrency:
+        return shares, [None] * num_processes
+    whole, rest = divmod(max_concurrency, num_processes)  # the first processes take the rest
+    return shares, [whole + (i < rest) for i in range(num_processes)]
 
 
 def percentiles(values: list[float]) -> str:
@@ -193,7 +297,9 @@ def served_result(timings: list[Timing], seconds: float, args) -> BenchResult:
     """The served run as a row of the bench table."""
     rate = "inf" if args.request_rate == math.inf else f"{args.request_rate:g}/s"
     clients = args.max_concurrency or len(timings)
+    processes = min(args.client_processes or default_client_processes(), len(timings), clients)
     name = f"served, rate {rate}, {clients} clients"
+    name += f" in {processes} processes" if processes > 1 else ""
     return BenchResult(name, sum(t.num_tokens for t in timings), seconds, None)
 
 
@@ -209,8 +315,3 @@ def overhead_line(offline: BenchResult, served: BenchResult) -> str:
     """How much throughput serving costs against the offline engine on the same requests."""
     overhead = 1 - served.tokens_per_s / offline.tokens_per_s
     return f"serving overhead      {overhead:.1%} of offline throughput"
-
-
-def run_drive(url: str, workload: Workload, args) -> tuple[list[Timing], float]:
-    """The client side, on a fresh event loop."""
-    return asyncio.run(drive(url, workload, args.request_rate, args.max_concurrency, args.seed))
