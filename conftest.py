@@ -8,7 +8,10 @@ TRITON_INTERPRET=1 is set too, so the Triton kernels of stages 05-06 run through
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +24,7 @@ if not torch.cuda.is_available():
     # nothing above imports one. An explicit TRITON_INTERPRET in the environment wins.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+SHARED_FIXTURES_ENV = "NANOSERVE_TEST_FIXTURES"  # see tiny_llama_folder
 _IMPL_KEY = pytest.StashKey[str]()  # the resolved --impl, set once per session
 _LOADED: dict[tuple[int, str], object] = {}  # (stage number, impl) -> its API namespace
 
@@ -70,17 +74,44 @@ def impl(request):
 
 @pytest.fixture(scope="session")
 def tiny_llama_folder(tmp_path_factory):
-    """A tiny random Llama checkpoint (float64, saved with save_pretrained) shared by all tests."""
+    """A tiny random Llama checkpoint (float64, saved with save_pretrained) shared by all tests.
+
+    It is built once per test session and handed on to the pytest runs that session starts (the
+    harness and the mutation self-test grade in subprocesses) through $NANOSERVE_TEST_FIXTURES:
+    building it costs each run seconds, and it is the same checkpoint every time (seed 0).
+    """
     from nanoserve.testing import save_tiny_model
 
-    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+    shared = shared_fixtures_folder(tmp_path_factory) / "tiny-llama"
+    if not shared.is_dir():
+        built = save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+        with contextlib.suppress(OSError):  # another run published it first: the same files
+            os.rename(built, shared)  # atomic: a reader sees all of it or nothing
+    return str(shared)
+
+
+def shared_fixtures_folder(tmp_path_factory) -> Path:
+    """The folder of fixtures this session shares with the pytest runs it starts."""
+    inherited = os.environ.get(SHARED_FIXTURES_ENV)
+    if inherited and Path(inherited).is_dir():
+        return Path(inherited)
+    folder = tmp_path_factory.mktemp("shared-fixtures")
+    os.environ[SHARED_FIXTURES_ENV] = str(folder)  # read by the child runs, not by this one
+    return folder
 
 
 @pytest.fixture(scope="session")
-def slab_engine_tokens(tiny_llama_folder):
+def slab_engine_tokens(tiny_llama_folder, tmp_path_factory):
     """Stage 01's tokens for `nanoserve.testing.engine_requests()`: the engine-level oracle."""
     from nanoserve.testing import ENGINE_MAX_MODEL_LEN, engine_requests, greedy_token_ids
 
-    return greedy_token_ids(
+    shared = shared_fixtures_folder(tmp_path_factory) / "slab_engine_tokens.json"
+    if shared.is_file():
+        return json.loads(shared.read_text())
+    tokens = greedy_token_ids(
         tiny_llama_folder, 1, engine_requests(), max_model_len=ENGINE_MAX_MODEL_LEN
     )
+    written = shared.with_suffix(f".{os.getpid()}")
+    written.write_text(json.dumps(tokens))
+    os.replace(written, shared)  # atomic, as for the checkpoint
+    return tokens

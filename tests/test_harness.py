@@ -1,12 +1,14 @@
 """Harness self-tests: the graded stage files have teeth, and the grading machinery reports truly.
 
 Every implemented stage with a stage folder must pass all its graded tests against the reference
-and fail every one of them against its untouched starter. Set NANOSERVE_HARNESS_STAGES=2,3 to
-run the graded-file checks for exactly those stages (e.g. before flipping them to implemented).
+and fail every one of them against its untouched starter: two pytest runs over every graded file,
+one per implementation, side by side. Set NANOSERVE_HARNESS_STAGES=2,3 to run the graded-file
+checks for exactly those stages (e.g. before flipping them to implemented).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -35,34 +37,65 @@ def graded_stages():
 GRADED = pytest.mark.parametrize("stage", graded_stages(), ids=lambda s: s.stem)
 
 
-def graded_runs(stage_number: int) -> dict[str, GradedRun]:
-    """The stage's graded file run against ref and starter, both subprocesses at once."""
+@functools.cache
+def all_graded_runs() -> dict[str, tuple]:
+    """impl -> (results, exit status, output) of every chosen graded file run against it: one
+    pytest subprocess per impl (both at once), as a learner's `pytest stages/NN --impl` runs."""
+    files = [str(ROOT / stage.test_file) for stage in graded_stages()]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {impl: pool.submit(check.run_graded, stage_number, impl) for impl in IMPLS}
+        futures = {impl: pool.submit(check.run_test_file, ROOT / files[0], impl, cwd=ROOT,
+                                     extra_args=tuple(files[1:])) for impl in IMPLS}  # fmt: skip
     return {impl: future.result() for impl, future in futures.items()}
+
+
+def graded_runs(stage) -> dict[str, GradedRun]:
+    """The stage's share of all_graded_runs, for ref and for the starter."""
+    runs = {}
+    for impl, (results, returncode, output) in all_graded_runs().items():
+        own = tuple(r for r in results if r.nodeid.startswith(stage.test_file))
+        runs[impl] = GradedRun(stage.number, impl, own, returncode, output)
+    return runs
 
 
 def describe(results) -> str:
     return "\n".join(f"{r.outcome.value}: {r.nodeid}: {r.message}" for r in results)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def shared_fixtures(tiny_llama_folder, slab_engine_tokens):
+    """Built before the first graded run starts, so every run reuses them (see conftest.py)."""
+
+
 # ---- the graded files have teeth ----
 
 
-@GRADED
-def test_every_graded_test_passes_on_the_reference_and_fails_on_the_starter(stage):
-    runs = graded_runs(stage.number)
+def test_every_graded_test_passes_on_the_reference_and_fails_on_the_starter():
+    problems = {stage.stem: graded_file_problems(stage) for stage in graded_stages()}
+    problems = {stem: found for stem, found in problems.items() if found}
+    assert problems == {}, "\n\n".join(f"{stem}:\n{found}" for stem, found in problems.items())
+
+
+def graded_file_problems(stage) -> str:
+    """What is wrong with the stage's graded file ('' if nothing): it must pass on the reference
+    and, on the untouched starter, reach every test and fail each for want of an implementation."""
+    runs = graded_runs(stage)
     ref, starter = runs["ref"], runs["starter"]
-    assert ref.results, f"no graded test ran:\n{ref.output[-3000:]}"
+    if not ref.results:
+        return f"no graded test ran:\n{ref.output[-3000:]}"
     excused = (Outcome.PASSED, Outcome.SKIPPED_NEEDS_GPU)
-    assert describe(r for r in ref.results if r.outcome not in excused) == "", "fail on ref"
-    assert ref.is_success, ref.output[-3000:]
-    # teeth: the untouched starter reaches every test and fails each for want of an implementation
-    assert len(starter.results) == len(ref.results), "the starter run must reach every test"
-    assert describe(starter.with_outcome(Outcome.PASSED)) == "", "these pass on the starter"
-    assert describe(starter.with_outcome(Outcome.SKIPPED)) == "", "these skip on the starter"
-    failed = starter.with_outcome(Outcome.FAILED)
-    assert describe(r for r in failed if "NotImplementedError" not in r.message) == ""
+    checks = [
+        ("fail on the reference", describe(r for r in ref.results if r.outcome not in excused)),
+        ("the reference run broke", "" if ref.is_success else ref.output[-3000:]),
+        ("the starter run must reach every test",
+         "" if len(starter.results) == len(ref.results) else
+         f"{len(starter.results)} of {len(ref.results)} reached"),
+        ("pass on the starter", describe(starter.with_outcome(Outcome.PASSED))),
+        ("skip on the starter", describe(starter.with_outcome(Outcome.SKIPPED))),
+        ("fail on the starter for another reason than NotImplementedError",
+         describe(r for r in starter.with_outcome(Outcome.FAILED)
+                  if "NotImplementedError" not in r.message)),
+    ]  # fmt: skip
+    return "\n".join(f"{what}:\n{found}" for what, found in checks if found)
 
 
 @GRADED

@@ -22,6 +22,11 @@ ENGINE_TASK = {1: "task_4", 2: "task_6", 3: "task_6", 4: "task_6", 5: "task_5", 
                7: "task_6", 8: "task_4", 9: "task_6", 10: "task_6"}  # fmt: skip
 
 
+@pytest.fixture(autouse=True, scope="module")
+def shared_fixtures(tiny_llama_folder, slab_engine_tokens):
+    """Built before the first graded run starts, so every run reuses them (see conftest.py)."""
+
+
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.id)
 def test_the_graded_file_kills_the_mutant(mutant: Mutant, tmp_path):
     path = write_mutant(mutant, tmp_path)
