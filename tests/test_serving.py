@@ -378,7 +378,7 @@ def test_bench_serve_times_the_workload_offline_and_over_http(folder, capsys):
 
 
 def test_bench_serve_schedules_seeded_arrivals_and_shares_them_out_exactly():
-    from nanoserve.bench.serve import schedule, share_out
+    from nanoserve.bench.clients import schedule, share_out
     from nanoserve.bench.workload import make_workload
 
     workload = make_workload(num_seqs=10, max_input_len=8, max_output_len=4)

@@ -121,7 +121,7 @@ STAGES: tuple[Stage, ...] = (
           "disconnect, metrics", "stage 09 (served tokens equal offline ones)",
           ("engine/async_engine.py", "engine/request_stream.py", "serving/server.py",
            "serving/generation.py", "serving/protocol.py", "serving/text.py",
-           "serving/metrics.py", "bench/serve.py"), False, _I),
+           "serving/metrics.py", "bench/serve.py", "bench/clients.py"), False, _I),
 )  # fmt: skip
 
 

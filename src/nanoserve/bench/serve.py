@@ -3,56 +3,29 @@
 Introduced in stage 10. It times the benchmark workload offline (`LLMEngine` driven directly, as
 `nanoserve bench` does), then starts `nanoserve serve` in a subprocess on a free port of
 127.0.0.1 (or targets `--url`) and sends the same requests over HTTP from concurrent streaming
-clients, arriving all at once (`--request-rate inf`) or as a seeded Poisson process. It reports
-output tokens/s on both sides, the serving overhead, and time to first token and inter-token
-latency percentiles, as vLLM's serving benchmark does. Like `bench`, it asserts nothing.
-
-The clients can be spread over several processes (`--client-processes`): one Python process
-parsing 256 event streams falls behind a fast server, and then it times its own backlog (bursts
-of chunks read at one instant) instead of the server. Every process reads the same monotonic
-clock, so their times compare.
+clients (`bench/clients.py`), arriving all at once (`--request-rate inf`) or as a seeded Poisson
+process. It reports output tokens/s on both sides, the serving overhead, and time to first token
+and inter-token latency percentiles, as vLLM's serving benchmark does. Like `bench`, it asserts
+nothing.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import math
 import os
-import random
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from typing import NamedTuple
 
-from nanoserve.bench.workload import WARMUP_MAX_TOKENS, WARMUP_PROMPT_LEN, BenchResult, Workload
+from nanoserve.bench import clients
+from nanoserve.bench.clients import SERVED_NAME, Timing
+from nanoserve.bench.workload import BenchResult, Workload
 from nanoserve.options import engine_options
 
-SERVED_NAME = "bench"
 STARTUP_TIMEOUT = 900  # seconds for the server to load, size its pool and capture its graphs
-
-
-class Timing(NamedTuple):
-    """What one streamed request looked like from the client."""
-
-    sent: float
-    token_times: list[float]  # arrival time of each chunk that carried tokens
-    token_counts: list[int]  # tokens in each of those chunks
-    done: float
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.token_counts)
-
-    def inter_token_gaps(self) -> list[float]:
-        """Seconds between consecutive tokens (a chunk of k tokens counts k equal gaps)."""
-        gaps = []
-        for prev, now, k in zip(self.token_times, self.token_times[1:], self.token_counts[1:]):
-            gaps += [(now - prev) / k] * k
-        return gaps
 
 
 def add_serve_bench_args(parser) -> None:
@@ -88,139 +61,11 @@ def add_serve_bench_args(parser) -> None:
     )
 
 
-def default_client_processes() -> int:
-    """One client process per 4 CPUs, from 1 to 4: the server and the engine need the rest."""
-    return min(4, max(1, (os.cpu_count() or 1) // 4))
-
-
-async def stream_one(http, prompt: list[int], max_tokens: int) -> Timing:
-    """Send one streaming completion and time its chunks; raises on an HTTP error."""
-    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-            "temperature": 0.6, "ignore_eos": True}  # fmt: skip
-    sent = time.perf_counter()
-    times, counts = [], []
-    async with http.stream("POST", "/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"the server answered {response.status_code}: "
-                               f"{(await response.aread()).decode()[:300]}")  # fmt: skip
-        async for line in response.aiter_lines():
-            if line.startswith("data: {"):
-                n = len(json.loads(line[6:])["choices"][0]["token_ids"])
-                if n:
-                    times.append(time.perf_counter())
-                    counts.append(n)
-    return Timing(sent, times, counts, time.perf_counter())
-
-
-class Request(NamedTuple):
-    """One request of the workload, and when to send it (seconds after the start)."""
-
-    prompt: list[int]
-    max_tokens: int
-    send_at: float
-
-
-def schedule(workload: Workload, rate: float, seed: int) -> list[Request]:
-    """The workload's requests with their send times: all at 0, or seeded Poisson arrivals."""
-    rng, send_at, requests = random.Random(seed), 0.0, []
-    for prompt, max_tokens in zip(*workload):
-        requests.append(Request(prompt, max_tokens, send_at))
-        if rate != math.inf:
-            send_at += rng.expovariate(rate)
-    return requests
-
-
-async def drive_share(url: str, requests: list[Request], max_concurrency: int | None,
-                      start: float) -> list[Timing]:  # fmt: skip
-    """Send these requests, each at start + its send_at, at most max_concurrency at a time."""
-    import httpx
-
-    limit = asyncio.Semaphore(max_concurrency or max(1, len(requests)))
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as http:
-
-        async def send(request: Request) -> Timing:
-            await asyncio.sleep(max(0.0, start + request.send_at - time.perf_counter()))
-            async with limit:
-                return await stream_one(http, request.prompt, request.max_tokens)
-
-        return await asyncio.gather(*(send(r) for r in requests))
-
-
-def client_process(conn, url: str, requests: list[Request], max_concurrency: int | None) -> None:
-    """A client process: say "ready", wait for the start time, send its share, return timings."""
-    import httpx  # noqa: F401  (imported before "ready", so the start is not spent importing)
-
-    try:
-        conn.send("ready")
-        start = conn.recv()
-        conn.send(("timings", asyncio.run(drive_share(url, requests, max_concurrency, start))))
-    except Exception as err:  # the parent raises it, with what the server answered
-        conn.send(("failed", f"{type(err).__name__}: {err}"))
-    finally:
-        conn.close()
-
-
-def drive_in_processes(url: str, shares: list[list[Request]],
-                       limits: list[int | None]) -> tuple[list[Timing], float]:  # fmt: skip
-    """Each share from a client process of its own, all starting at one instant of the clock."""
-    import multiprocessing as mp
-
-    context = mp.get_context("spawn")
-    pipes, processes = [], []
-    try:
-        for share, limit in zip(shares, limits):
-            ours, theirs = context.Pipe()
-            process = context.Process(target=client_process, name="nanoserve-bench-client",
-                                      args=(theirs, url, share, limit), daemon=True)  # fmt: skip
-            process.start()
-            theirs.close()
-            pipes.append(ours)
-            processes.append(process)
-        for conn in pipes:
-            if conn.recv() != "ready":
-                raise RuntimeError("a client process did not start")
-        start = time.perf_counter() + 0.05  # every process has the start before it comes
-        for conn in pipes:
-            conn.send(start)
-        timings = []
-        for conn in pipes:
-            kind, detail = conn.recv()
-            if kind != "timings":
-                raise RuntimeError(f"a client process failed: {detail}")
-            timings += detail
-    finally:
-        for process in processes:
-            process.join(5)
-            if process.is_alive():
-                process.kill()
-    return timings, max(t.done for t in timings) - start
-
-
 def drive(url: str, workload: Workload, args) -> tuple[list[Timing], float]:
-    """Send the workload (after one warm-up request); (timings, seconds from the start)."""
-    num_processes = args.client_processes or default_client_processes()
-    requests = schedule(workload, args.request_rate, args.seed)
-    warm_up = Request(workload.prompt_token_ids[0][:WARMUP_PROMPT_LEN], WARMUP_MAX_TOKENS, 0.0)
-    asyncio.run(drive_share(url, [warm_up], None, time.perf_counter()))
-    if num_processes == 1:
-        start = time.perf_counter()
-        timings = asyncio.run(drive_share(url, requests, args.max_concurrency, start))
-        return timings, max(t.done for t in timings) - start
-    shares, limits = share_out(requests, num_processes, args.max_concurrency)
-    return drive_in_processes(url, shares, limits)
-
-
-def share_out(
-    requests: list[Request], num_processes: int, max_concurrency: int | None
-) -> tuple[list[list[Request]], list[int | None]]:
-    """(requests, concurrency limit) of each client process: round robin, the limit exactly."""
-    num_processes = min(num_processes, len(requests), max_concurrency or len(requests))
-    shares = [requests[i::num_processes] for i in range(num_processes)]
-    if not max_concurrency:
-        return shares, [None] * num_processes
-    whole, rest = divmod(max_concurrency, num_processes)  # the first processes take the rest
-    return shares, [whole + (i < rest) for i in range(num_processes)]
+    """The workload from the clients the options ask for: (timings, seconds from the start)."""
+    num_processes = args.client_processes or clients.default_client_processes()
+    return clients.drive(url, workload, args.request_rate, args.max_concurrency, args.seed,
+                         num_processes)  # fmt: skip
 
 
 def percentiles(values: list[float]) -> str:
@@ -296,9 +141,10 @@ class ServerProcess:
 def served_result(timings: list[Timing], seconds: float, args) -> BenchResult:
     """The served run as a row of the bench table."""
     rate = "inf" if args.request_rate == math.inf else f"{args.request_rate:g}/s"
-    clients = args.max_concurrency or len(timings)
-    processes = min(args.client_processes or default_client_processes(), len(timings), clients)
-    name = f"served, rate {rate}, {clients} clients"
+    num_clients = args.max_concurrency or len(timings)
+    num_processes = args.client_processes or clients.default_client_processes()
+    processes = min(num_processes, len(timings), num_clients)
+    name = f"served, rate {rate}, {num_clients} clients"
     name += f" in {processes} processes" if processes > 1 else ""
     return BenchResult(name, sum(t.num_tokens for t in timings), seconds, None)
 
