@@ -174,4 +174,7 @@ def share_out(
 
 def default_client_processes() -> int:
     """One client process per 4 CPUs, from 1 to 4: the server and the engine need the rest."""
-    return min(4, max(1, (os.cpu_count() or 1) // 4))
+    usable = (
+        os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    )
+    return min(4, max(1, len(usable) // 4))
