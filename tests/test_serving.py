@@ -374,7 +374,16 @@ def test_bench_serve_times_the_workload_offline_and_over_http(folder, capsys):
     assert offline == served, "the same output tokens on both sides"
     assert re.search(r"^time to first token   p50 [\d.]+  p90 [\d.]+  p99 [\d.]+ ms$", out, re.M)
     assert re.search(r"^inter-token latency   p50 [\d.]+", out, re.M)
-    assert re.search(r"^serving overhead      -?[\d.]+% of offline throughput$", out, re.M)
+    assert re.search(r"^serving overhead      not measured: the arrivals \(100/s\)", out, re.M)
+
+
+def test_bench_serve_counts_overhead_only_when_every_request_arrives_at_once():
+    from nanoserve.bench.serve import overhead_line
+    from nanoserve.bench.workload import BenchResult
+
+    offline, served = BenchResult("offline", 1000, 10.0, 0), BenchResult("served", 1000, 12.5, None)
+    assert overhead_line(offline, served, float("inf")).endswith(" 20.0% of offline throughput")
+    assert "not measured" in overhead_line(offline, served, 40.0)
 
 
 def test_bench_serve_schedules_seeded_arrivals_and_shares_them_out_exactly():

@@ -256,7 +256,7 @@ def run_serve_bench(args, stages: list[int]) -> int:
     results.append(serve.served_result(timings, seconds, args))
     lines = format_table(results) + serve.latency_lines(timings)
     if len(results) == 2:
-        lines.append(serve.overhead_line(*results))
+        lines.append(serve.overhead_line(*results, args.request_rate))
     print("\n".join(lines))
     if args.json:
         write_json(args.json, header + lines[len(results) + 1 :], args, stages, results)
