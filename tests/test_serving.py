@@ -377,6 +377,21 @@ def test_bench_serve_times_the_workload_offline_and_over_http(folder, capsys):
     assert re.search(r"^serving overhead      not measured: the arrivals \(100/s\)", out, re.M)
 
 
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--client-processes", "0"), ("--max-concurrency", "-2"), ("--request-rate", "0"),
+     ("--request-rate", "fast"), ("--request-rate", "nan")],
+)  # fmt: skip
+def test_bench_serve_refuses_a_bad_client_option_naming_it(flag, value, capsys):
+    from nanoserve.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--serve", flag, value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and "expected" in err and repr(value) in err
+
+
 def test_bench_serve_counts_overhead_only_when_every_request_arrives_at_once():
     from nanoserve.bench.serve import overhead_line
     from nanoserve.bench.workload import BenchResult

@@ -1,7 +1,8 @@
 """Engine options on the command line: every `EngineConfig` field as a `--flag`, for all commands.
 
 Introduced in stage 04 (`generate`, `chat` and `bench` all take them). It maps flags to field
-names and to the field's Python type, nothing more; `EngineConfig` validates the values.
+names and to the field's Python type, nothing more; `EngineConfig` validates the values. The
+argparse types of the other commands' number flags live here too.
 """
 
 from __future__ import annotations
@@ -18,6 +19,24 @@ def flag_bool(text: str) -> bool:
     if lowered not in ("true", "false", "1", "0", "yes", "no"):
         raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
     return lowered in ("true", "1", "yes")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return int(text)
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0 (inf allowed)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"expected a number > 0 (or inf), got {text!r}")
+    return value
 
 
 # field annotation -> the flag's type

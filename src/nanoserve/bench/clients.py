@@ -150,6 +150,7 @@ def drive(url: str, workload: Workload, rate: float, max_concurrency: int | None
           num_processes: int) -> tuple[list[Timing], float]:  # fmt: skip
     """Send the workload (after one warm-up request); (timings, seconds from the start)."""
     requests = schedule(workload, rate, seed)
+    num_processes = num_client_processes(num_processes, len(requests), max_concurrency)
     warm_up = Request(workload.prompt_token_ids[0][:WARMUP_PROMPT_LEN], WARMUP_MAX_TOKENS, 0.0)
     asyncio.run(drive_share(url, [warm_up], None, time.perf_counter()))
     if num_processes == 1:
@@ -164,12 +165,17 @@ def share_out(
     requests: list[Request], num_processes: int, max_concurrency: int | None
 ) -> tuple[list[list[Request]], list[int | None]]:
     """(requests, concurrency limit) of each client process: round robin, the limit exactly."""
-    num_processes = min(num_processes, len(requests), max_concurrency or len(requests))
+    num_processes = num_client_processes(num_processes, len(requests), max_concurrency)
     shares = [requests[i::num_processes] for i in range(num_processes)]
     if not max_concurrency:
         return shares, [None] * num_processes
     whole, rest = divmod(max_concurrency, num_processes)  # the first processes take the rest
     return shares, [whole + (i < rest) for i in range(num_processes)]
+
+
+def num_client_processes(requested: int, num_requests: int, max_concurrency: int | None) -> int:
+    """How many client processes run: no more than there are requests, or slots to send them."""
+    return max(1, min(requested, num_requests, max_concurrency or num_requests))
 
 
 def default_client_processes() -> int:

@@ -24,16 +24,9 @@ from nanoserve.bench.workload import (
     with_shared_prefix,
 )
 from nanoserve.config import EngineConfig, engine_config_for
-from nanoserve.options import add_engine_args, engine_options
+from nanoserve.options import add_engine_args, engine_options, positive_int
 from nanoserve.stages import latest_stage, require_implemented
 from nanoserve.types import ModelSpec
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return int(text)
 
 
 def stage_list(text: str) -> list[int]:

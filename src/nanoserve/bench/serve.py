@@ -23,7 +23,7 @@ import time
 from nanoserve.bench import clients
 from nanoserve.bench.clients import SERVED_NAME, Timing
 from nanoserve.bench.workload import BenchResult, Workload
-from nanoserve.options import engine_options
+from nanoserve.options import engine_options, positive_float, positive_int
 
 STARTUP_TIMEOUT = 900  # seconds for the server to load, size its pool and capture its graphs
 
@@ -41,13 +41,13 @@ def add_serve_bench_args(parser) -> None:
     )
     group.add_argument(
         "--request-rate",
-        type=float,
+        type=positive_float,
         default=math.inf,
         help="requests per second, Poisson arrivals (default inf: all at once)",
     )
     group.add_argument(
         "--max-concurrency",
-        type=int,
+        type=positive_int,
         default=None,
         help="clients with a request in flight, at most, shared out over the client processes "
         "(default: no limit)",
@@ -55,7 +55,7 @@ def add_serve_bench_args(parser) -> None:
     group.add_argument("--seed", type=int, default=0, help="seeds the arrival times")  # fmt: skip
     group.add_argument(
         "--client-processes",
-        type=int,
+        type=positive_int,
         default=None,
         help="processes the clients are spread over (default: one per 4 CPUs, 1 to 4)",
     )
@@ -142,8 +142,8 @@ def served_result(timings: list[Timing], seconds: float, args) -> BenchResult:
     """The served run as a row of the bench table."""
     rate = "inf" if args.request_rate == math.inf else f"{args.request_rate:g}/s"
     num_clients = args.max_concurrency or len(timings)
-    num_processes = args.client_processes or clients.default_client_processes()
-    processes = min(num_processes, len(timings), num_clients)
+    requested = args.client_processes or clients.default_client_processes()
+    processes = clients.num_client_processes(requested, len(timings), args.max_concurrency)
     name = f"served, rate {rate}, {num_clients} clients"
     name += f" in {processes} processes" if processes > 1 else ""
     return BenchResult(name, sum(t.num_tokens for t in timings), seconds, None)
