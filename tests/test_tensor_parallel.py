@@ -168,7 +168,7 @@ def test_exit_and_ctrl_c_leave_no_worker_behind(tmp_path, ending):
 
         def on_step(record):
             print("step", record.step, flush=True)
-            if record.step == 5 and sys.argv[1] == "400":
+            if record.step == 5 and sys.argv[2:] == ["wait"]:
                 time.sleep(60)  # Ctrl-C lands here, mid-generate, however slow the reader is
 
         if __name__ == "__main__":
@@ -183,7 +183,7 @@ def test_exit_and_ctrl_c_leave_no_worker_behind(tmp_path, ending):
                 print("interrupted", flush=True)
         """,
         tmp_path,
-        "400" if ending == "ctrl-c mid-generate" else "8",
+        *(["400", "wait"] if ending == "ctrl-c mid-generate" else ["8"]),
         interrupt_after="step 5" if ending == "ctrl-c mid-generate" else None,
     )
     pids = [int(p) for p in out.split("workers", 1)[1].split("\n", 1)[0].split()]

@@ -4,9 +4,9 @@ Introduced in stage 10. It times the benchmark workload offline (`LLMEngine` dri
 `nanoserve bench` does), then starts `nanoserve serve` in a subprocess on a free port of
 127.0.0.1 (or targets `--url`) and sends the same requests over HTTP from concurrent streaming
 clients (`bench/clients.py`), arriving all at once (`--request-rate inf`) or as a seeded Poisson
-process. It reports output tokens/s on both sides, the serving overhead, and time to first token
-and inter-token latency percentiles, as vLLM's serving benchmark does. Like `bench`, it asserts
-nothing.
+process. It reports output tokens/s on both sides, time to first token and inter-token latency
+percentiles, as vLLM's serving benchmark does, and, when every request arrives at once, the
+serving overhead. Like `bench`, it asserts nothing.
 """
 
 from __future__ import annotations
@@ -61,11 +61,15 @@ def add_serve_bench_args(parser) -> None:
     )
 
 
+def requested_client_processes(args) -> int:
+    """--client-processes, or the default for this machine."""
+    return args.client_processes or clients.default_client_processes()
+
+
 def drive(url: str, workload: Workload, args) -> tuple[list[Timing], float]:
     """The workload from the clients the options ask for: (timings, seconds from the start)."""
-    num_processes = args.client_processes or clients.default_client_processes()
     return clients.drive(url, workload, args.request_rate, args.max_concurrency, args.seed,
-                         num_processes)  # fmt: skip
+                         requested_client_processes(args))  # fmt: skip
 
 
 def percentiles(values: list[float]) -> str:
@@ -142,8 +146,8 @@ def served_result(timings: list[Timing], seconds: float, args) -> BenchResult:
     """The served run as a row of the bench table."""
     rate = "inf" if args.request_rate == math.inf else f"{args.request_rate:g}/s"
     num_clients = args.max_concurrency or len(timings)
-    requested = args.client_processes or clients.default_client_processes()
-    processes = clients.num_client_processes(requested, len(timings), args.max_concurrency)
+    processes = clients.num_client_processes(requested_client_processes(args), len(timings),
+                                             args.max_concurrency)  # fmt: skip
     name = f"served, rate {rate}, {num_clients} clients"
     name += f" in {processes} processes" if processes > 1 else ""
     return BenchResult(name, sum(t.num_tokens for t in timings), seconds, None)
