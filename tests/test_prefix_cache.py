@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.cache.attention_metadata import chunk_end, prepare_prefill
 from nanoserve.config import EngineConfig
+from nanoserve.engine.input_packer import chunk_end, prepare_prefill
 from nanoserve.engine.prefix_block_manager import PrefixBlockManager
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.testing import ENGINE_MAX_MODEL_LEN

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from nanoserve import check, grading
 from nanoserve.check import TestResult
-from nanoserve.engine.compositions import COMPOSITIONS
+from nanoserve.learner_api import learner_api
 from nanoserve.stages import get_stage
 
 # imported once by a fork server, so each graded run starts warm (a second, not ten)
@@ -69,7 +69,7 @@ def mutated_source(mutant: Mutant) -> str:
 def api_footer(stage: int, module: str) -> str:
     """Imports of the stage's API names that `module` does not define, from the reference."""
     lines = ["", "", "# ---- the rest of the stage API, from the reference ----"]
-    for name, obj in COMPOSITIONS[stage].learner_api.items():
+    for name, obj in learner_api(stage).items():
         if obj.__module__ != module:
             lines.append(f"from {obj.__module__} import {name}  # noqa: E402, F401")
     return "\n".join(lines) + "\n"

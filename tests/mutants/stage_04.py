@@ -1,5 +1,5 @@
 """Stage 04 mutants: the block manager (engine/block_manager.py), the pool's write and read
-(cache/paged.py) and the step tensors (cache/attention_metadata.py), one learner bug each."""
+(cache/paged.py) and the step tensors (engine/input_packer.py), one learner bug each."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from tests.mutants import Mutant
 
 MANAGER = "nanoserve.engine.block_manager"
 POOL = "nanoserve.cache.paged"
-STEP = "nanoserve.cache.attention_metadata"
+STEP = "nanoserve.engine.input_packer"
 
 
 def mutant(name: str, bug: str, module: str, *edits: tuple[str, str]) -> Mutant:

@@ -1,12 +1,12 @@
 """Stage 08 mutants: the buckets and the static-buffer copy (engine/cuda_graphs.py) and the padding
-of a decode step (cache/attention_metadata.py's pad_decode), one learner bug each."""
+of a decode step (engine/input_packer.py's pad_decode), one learner bug each."""
 
 from __future__ import annotations
 
 from tests.mutants import Mutant
 
 GRAPHS = "nanoserve.engine.cuda_graphs"
-STEP = "nanoserve.cache.attention_metadata"
+STEP = "nanoserve.engine.input_packer"
 
 BUCKETS = (
     "    buckets = [b for b in (1, 2, 4, 8) if b < max_num_seqs]\n"

@@ -1,11 +1,11 @@
-"""Stage 10 mutants: the engine loop (engine/async_engine.py's AsyncEngine), one learner bug each:
+"""Stage 10 mutants: the engine loop (serving/async_engine.py's AsyncEngine), one learner bug each:
 commands, fan-out, the turn's order, the handoff between threads, and the caller's generator."""
 
 from __future__ import annotations
 
 from tests.mutants import Mutant
 
-LOOP = "nanoserve.engine.async_engine"
+LOOP = "nanoserve.serving.async_engine"
 
 
 def mutant(name: str, bug: str, *edits: tuple[str, str]) -> Mutant:

@@ -25,12 +25,12 @@ from contextlib import contextmanager
 from multiprocessing.connection import Connection, wait
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.assemble import build_engine, require_shardable
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.layers.tensor_parallel import TensorParallel
 from nanoserve.models.loader import load_model_config
 from nanoserve.parallel import process_group
 from nanoserve.parallel.worker import Booted, Ready, WorkerFailed, run_worker
+from nanoserve.recipes.assemble import build_engine, require_shardable
 from nanoserve.types import ModelSpec, StepMessage
 
 logger = logging.getLogger("nanoserve")
@@ -179,7 +179,7 @@ def start_engine(stage: int, config: EngineConfig, spec: ModelSpec, eos_ids,
         rank0 = spec._replace(tp_rank=0, tp_size=size,
                               device=process_group.device_for(spec.device, 0))  # fmt: skip
         process_group.join(store, backend, 0, size, rank0.device)
-        engine = build_engine(stage, config, rank0, eos_ids, components)
+        engine = build_engine(stage, config, rank0, eos_ids, components, workers=group)
         group.wait_until(Ready, STARTUP_TIMEOUT_S)
     except BaseException as err:
         failure = group.describe_failure(1.0)
@@ -187,7 +187,6 @@ def start_engine(stage: int, config: EngineConfig, spec: ModelSpec, eos_ids,
         if failure is None:
             raise
         raise WorkerDied(failure) from err
-    engine.runner.workers = group
     return engine
 
 

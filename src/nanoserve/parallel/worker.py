@@ -19,8 +19,8 @@ from multiprocessing.connection import Connection
 from typing import NamedTuple
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.assemble import build_engine
 from nanoserve.parallel import process_group
+from nanoserve.recipes.assemble import build_engine
 from nanoserve.types import ModelSpec
 
 

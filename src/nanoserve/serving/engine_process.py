@@ -30,10 +30,10 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import NamedTuple
 
-from nanoserve.engine.async_engine import _STOP, AsyncEngine, EngineError
-from nanoserve.engine.request_stream import Add, Delivery, EngineStats, RequestStream
 from nanoserve.parallel.group import exit_story
 from nanoserve.sampling import SamplingParams
+from nanoserve.serving.async_engine import _STOP, AsyncEngine, EngineError
+from nanoserve.serving.request_stream import Add, Delivery, EngineStats, RequestStream
 
 logger = logging.getLogger("nanoserve")
 STARTUP_TIMEOUT_S = 900.0  # load the weights, size the pool, capture the graphs
@@ -184,7 +184,7 @@ class EngineClient:
 
     def abort(self, request_id: int) -> None:
         """Ask the engine process to drop a request (unknown or finished: no-op)."""
-        from nanoserve.engine.request_stream import Abort
+        from nanoserve.serving.request_stream import Abort
 
         with contextlib.suppress(OSError, EngineError):  # a dead engine process aborted it
             self._send(Abort(request_id))
