@@ -15,6 +15,7 @@ Each message is pickled and framed by its length, so a message of any size goes 
 fixed buffer) and the pipe has no name to clash with:
 
     [ length: 4 bytes, big-endian ][ pickle bytes ............................... ]
+      (a message over 2 GiB: the 4 bytes say -1, and 8 more bytes hold the length)
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ class ChildProcess:
     """One spawned child and the parent's end of its pipe."""
 
     def __init__(self, target: Callable, args: tuple, name: str, daemon: bool = True) -> None:
-        """Start `target(conn, *args)` in a child; `name` is how errors call it ("worker 1")."""
+        """Start `target(conn, *args)` in a child; `name` is how errors call it ("worker 1").
+        A daemon is killed when the parent exits, but may not start children of its own."""
         context = mp.get_context("spawn")  # a fresh interpreter: CUDA cannot be forked
         self.name = name
         self.conn, theirs = context.Pipe()
