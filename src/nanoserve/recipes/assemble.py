@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import importlib
 import logging
+from typing import NamedTuple
 
 from nanoserve.cache.budget import kv_budget_bytes
 from nanoserve.config import EngineConfig
 from nanoserve.engine.cuda_graphs import DecodeGraphs, table_width
+from nanoserve.engine.kv_manager import KVCacheManager
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.model_runner import ModelRunner, StepFanout, warmup_peak_bytes
-from nanoserve.kernels.backend import log_choice, select_attention_backend
+from nanoserve.kernels.backend import BackendChoice, log_choice, select_attention_backend
 from nanoserve.layers.compiled import fuse_small_ops
 from nanoserve.layers.tensor_parallel import TensorParallel, min_over_ranks
 from nanoserve.models.decoder import CausalLM
@@ -36,6 +38,14 @@ def recipe_for(stage: int) -> Recipe:
     return importlib.import_module(f"nanoserve.recipes.{stem[3:]}").RECIPE
 
 
+class BuiltRunner(NamedTuple):
+    """A stage's model runner, the manager whose tables it packs, and the backend chosen."""
+
+    runner: ModelRunner
+    manager: KVCacheManager
+    attention: BackendChoice
+
+
 def build_engine(stage: int, config: EngineConfig, spec: ModelSpec, eos_ids, components=None,
                  model: CausalLM | None = None,
                  workers: StepFanout | None = None) -> LLMEngine:  # fmt: skip
@@ -44,6 +54,14 @@ def build_engine(stage: int, config: EngineConfig, spec: ModelSpec, eos_ids, com
     The model is loaded from `spec` (or `model` is reused, built from the same spec); `workers`
     are the other tensor-parallel ranks, already started (stage 09, rank 0 of several).
     """
+    runner, manager, choice = build_runner(stage, config, spec, components, model, workers)
+    return LLMEngine(config, runner, manager, eos_ids, choice)
+
+
+def build_runner(stage: int, config: EngineConfig, spec: ModelSpec, components=None,
+                 model: CausalLM | None = None,
+                 workers: StepFanout | None = None) -> BuiltRunner:  # fmt: skip
+    """Everything of a stage's engine but its loop: what a tensor-parallel worker runs."""
     require_shardable(stage, spec.tp_size)
     recipe = recipe_for(stage)
     choice = select_attention_backend(config.attention_backend, spec.device, recipe.backends)
@@ -59,7 +77,7 @@ def build_engine(stage: int, config: EngineConfig, spec: ModelSpec, eos_ids, com
     if recipe.captures_decode:
         graphs = capture_decode_graphs(model, built, config, choice.name)
     runner = ModelRunner(model, built.cache, built.attention, built.packer, graphs, workers)
-    return LLMEngine(config, runner, built.manager, eos_ids, choice)
+    return BuiltRunner(runner, built.manager, choice)
 
 
 def budget_bytes(model: CausalLM, config: EngineConfig, spec: ModelSpec) -> int:
