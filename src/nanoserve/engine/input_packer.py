@@ -1,8 +1,8 @@
 """The input packer: a scheduled batch in, one step's `StepInputs` (device tensors) out.
 
-Introduced in stage 04 (`prepare_prefill` / `prepare_decode`, the learner's verbs); since stage 04
-the model runner owns one `InputPacker` and it is the only code that packs a step, for every
-stage, the tensor-parallel workers and the CUDA graphs. It reads each sequence's tokens, progress
+Introduced in stage 04 (`prepare_prefill` / `prepare_decode` are that learner's verbs). The model
+runner owns one `InputPacker`, the only code that packs a step: for every stage (00-03 included),
+for the tensor-parallel workers and for the CUDA graphs. It reads each sequence's tokens, progress
 and block table (decided earlier by a cache manager) and serializes them; it decides nothing.
 Seed trace, block_size 4, prompt A of 11 tokens with table [0, 1, 2]: prefill slot_mapping =
 0..10; decode at length 12 writes slot 2 * 4 + 3 = 11.
