@@ -79,8 +79,10 @@ def locate(stage: int, target: str) -> tuple[str, list[str]]:
         return api[head].__module__, [*api[head].__qualname__.split("."), *attributes]
     homes = {home for obj in api.values() if (home := home_of(head, obj.__module__))}
     if len(homes) != 1:
-        raise EditError(f"{head!r} is no stage {stage} API name, nor defined or imported by "
-                        f"exactly one module of the API (found in {sorted(homes)})")  # fmt: skip
+        raise EditError(
+            f"{head!r} is no stage {stage} API name, nor defined or imported by exactly one "
+            f"module of the API (found in {sorted(homes)})"
+        )
     return homes.pop(), [head, *attributes]
 
 
@@ -92,7 +94,8 @@ def home_of(name: str, module: str) -> str | None:
             if node.name == name:
                 return module
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
-            if any(alias.name == name and alias.asname in (None, name) for alias in node.names):
+            imported = [a.name for a in node.names if a.asname in (None, a.name)]
+            if name in imported:
                 return node.module
     return None
 
@@ -105,12 +108,15 @@ def mutated_source(mutant: Mutant) -> str:
         try:
             source = apply_edit(source, path, old, new)
         except EditError as err:
-            raise EditError(f"mutant {mutant.id}: {err} (in {module}; the reference changed: "
-                            "update the mutant)") from None  # fmt: skip
+            raise EditError(
+                f"mutant {mutant.id}: {err} (in {module}; the reference changed: update the mutant)"
+            ) from None
     if not mutant.host:
         if module not in {obj.__module__ for obj in learner_api(mutant.stage).values()}:
-            raise EditError(f"mutant {mutant.id}: {mutant.target} is in {module}, which defines "
-                            "no API name: say which API name's file gets its copy (host=)")  # fmt: skip
+            raise EditError(
+                f"mutant {mutant.id}: {mutant.target} is in {module}, which defines no API "
+                "name: say which API name's file gets its copy (host=)"
+            )
         return source
     # A learner writes a shared helper in the same file as the kernels; the buggy copy, defined
     # after the module's import of the helper, is the one its kernels call.

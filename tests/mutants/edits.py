@@ -45,10 +45,11 @@ def matches(scope: Scope, old: str) -> list[tuple[ast.AST, ast.AST]]:
     pattern = ast.parse(textwrap.dedent(old)).body
     if len(pattern) == 1 and isinstance(pattern[0], ast.Expr):  # one expression: any expression
         wanted = ast.dump(pattern[0].value)
-        return [(n, n) for n in ast.walk(scope) if isinstance(n, ast.expr) and ast.dump(n) == wanted]
+        expressions = (n for n in ast.walk(scope) if isinstance(n, ast.expr))
+        return [(n, n) for n in expressions if ast.dump(n) == wanted]
     wanted = [ast.dump(s) for s in pattern]  # statements: a run of them in one block
-    return [(run[0], run[-1]) for run in statement_runs(scope, len(wanted))
-            if [ast.dump(s) for s in run] == wanted]  # fmt: skip
+    runs = statement_runs(scope, len(wanted))
+    return [(run[0], run[-1]) for run in runs if [ast.dump(s) for s in run] == wanted]
 
 
 def statement_runs(scope: Scope, length: int):

@@ -56,7 +56,8 @@ MUTANTS = (
     ),
     mutant(
         "deallocate_sorted", "deallocate frees the blocks sorted by id, not in table order",
-        "BlockManager.deallocate", (FREED, "sorted(b for b in block_ids if self.ref_counts[b] == 0)"),
+        "BlockManager.deallocate",
+        (FREED, "sorted(b for b in block_ids if self.ref_counts[b] == 0)"),
     ),
     mutant(
         "check_invariants_does_nothing", "check_invariants is left as a no-op",
