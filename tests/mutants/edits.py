@@ -2,7 +2,7 @@
 
 `old` is parsed on its own and looked for among the nodes of the target def or class: one
 expression (when `old` is a lone expression) or a run of consecutive statements, equal when their
-`ast.dump`s are. It must match exactly once. Its span in the module text (from the first node's
+`ast.dump`s are (load and store alike). It must match exactly once. Its span in the module text (from the first node's
 lineno/col_offset to the last one's end_lineno/end_col_offset) is replaced by `new`, whose lines
 after the first take the indent of the line the match starts on; an empty `new` deletes the
 matched statements' lines. So formatting, comments, line wrapping and every other def of the
@@ -20,6 +20,7 @@ module do not matter; a change to the matched code itself is reported, not guess
 from __future__ import annotations
 
 import ast
+import re
 import textwrap
 
 Scope = ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef
@@ -40,16 +41,22 @@ def find_scope(tree: ast.Module, path: list[str]) -> Scope:
     return node
 
 
+def tree(node: ast.AST) -> str:
+    """node's tree without positions, and without load/store contexts: an expression that is
+    assigned to (`x[i] = ...`) matches the same text read."""
+    return re.sub(r"ctx=(Load|Store|Del)\(\)", "", ast.dump(node))
+
+
 def matches(scope: Scope, old: str) -> list[tuple[ast.AST, ast.AST]]:
     """(first, last) node of every place in scope whose tree equals old's."""
     pattern = ast.parse(textwrap.dedent(old)).body
     if len(pattern) == 1 and isinstance(pattern[0], ast.Expr):  # one expression: any expression
-        wanted = ast.dump(pattern[0].value)
+        wanted = tree(pattern[0].value)
         expressions = (n for n in ast.walk(scope) if isinstance(n, ast.expr))
-        return [(n, n) for n in expressions if ast.dump(n) == wanted]
-    wanted = [ast.dump(s) for s in pattern]  # statements: a run of them in one block
+        return [(n, n) for n in expressions if tree(n) == wanted]
+    wanted = [tree(s) for s in pattern]  # statements: a run of them in one block
     runs = statement_runs(scope, len(wanted))
-    return [(run[0], run[-1]) for run in runs if [ast.dump(s) for s in run] == wanted]
+    return [(run[0], run[-1]) for run in runs if [tree(s) for s in run] == wanted]
 
 
 def statement_runs(scope: Scope, length: int):
