@@ -1,20 +1,22 @@
 """Edits keyed on the syntax tree: a mutant's (old, new) made inside one def or class of a module.
 
 `old` is parsed on its own and looked for among the nodes of the target def or class: one
-expression (when `old` is a lone expression) or a run of consecutive statements, equal when their
-`ast.dump`s are (load and store alike). It must match exactly once. Its span in the module text (from the first node's
-lineno/col_offset to the last one's end_lineno/end_col_offset) is replaced by `new`, whose lines
-after the first take the indent of the line the match starts on; an empty `new` deletes the
-matched statements' lines. So formatting, comments, line wrapping and every other def of the
-module do not matter; a change to the matched code itself is reported, not guessed around.
+expression (when `old` is a lone expression) or a run of consecutive statements of one block,
+equal when their `ast.dump`s are (read or assigned to alike). It must match exactly once. The
+module text from the first matched node's lineno/col_offset to the last one's
+end_lineno/end_col_offset is replaced by `new`, whose lines after the first take the indent of
+the line the match starts on; an empty `new` deletes the matched statements' lines. So
+formatting, comments, line wrapping and every other def of the module do not matter; a change to
+the matched code itself is reported, never guessed around.
 
     target BlockManager.can_append, old "return self.num_free_blocks >= int(needs_block)":
-      class BlockManager:              the path's names lead from the module to the scope
-          def can_append(self, seq):   <- scope: only nodes inside it are candidates
+
+      class BlockManager:              the path's names lead from the top level to the scope
+          def can_append(self, seq):   <- the scope: only nodes inside it are candidates
               ...
               return self.num_free_blocks >= int(
-                  needs_block          <- any wrapping: the dumps compare the trees
-              )  # a comment           <- kept after the new text
+                  needs_block          <- wrapped any way: the trees compare equal
+              )  # a comment           <- what follows the span on its line stays
 """
 
 from __future__ import annotations
