@@ -57,7 +57,7 @@ class Mutant:
     @property
     def module(self) -> str:
         """The reference module the mutant's learner file is made from."""
-        return locate(self.stage, self.host)[0] if self.host else locate(self.stage, self.target)[0]
+        return locate(self.stage, self.host or self.target)[0]
 
 
 def learner_api(stage: int) -> dict:
@@ -87,8 +87,8 @@ def locate(stage: int, target: str) -> tuple[str, list[str]]:
 
 
 def home_of(name: str, module: str) -> str | None:
-    """The module that defines the top-level `name` of `module` (itself, or the one it imports
-    name from); None when module has no such name."""
+    """The module that defines the top-level `name` of `module`: itself, or the one it imports
+    name from (followed through re-exports); None when module has no such name."""
     for node in ast.parse(reference_source(module)).body:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             if node.name == name:
@@ -96,7 +96,7 @@ def home_of(name: str, module: str) -> str | None:
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
             imported = [a.name for a in node.names if a.asname in (None, a.name)]
             if name in imported:
-                return node.module
+                return home_of(name, node.module) or node.module
     return None
 
 
