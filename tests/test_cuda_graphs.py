@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.cache.attention_metadata import prepare_decode, prepare_prefill
 from nanoserve.engine.cuda_graphs import (
     DecodeGraphs,
     bucket_for,
@@ -21,6 +20,7 @@ from nanoserve.engine.cuda_graphs import (
     table_width,
     view_rows,
 )
+from nanoserve.engine.input_packer import prepare_decode, prepare_prefill
 from nanoserve.testing import RerunGraph
 from nanoserve.types import Sequence
 

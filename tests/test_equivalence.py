@@ -2,7 +2,7 @@
 
 Tiny random checkpoints in float64 (prompts just below, at and above block boundaries) and the
 real SmolLM2 in float32. Stages are taken from the manifest, so a new stage joins the chain by
-declaring `proven_equal_to = "stage NN"`. The Triton stages (05, 06) run on a CPU through
+declaring `oracle=NN`. The Triton stages (05, 06) run on a CPU through
 Triton's interpreter, which is slow: they have their own tests below, on small workloads.
 """
 
@@ -12,22 +12,25 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.cache.attention_metadata import prepare_decode, prepare_prefill
-from nanoserve.cache.paged import PagedKVPool, TorchPagedAttention
-from nanoserve.engine.compositions import COMPOSITIONS
+from nanoserve.cache.paged import PagedKVPool
+from nanoserve.engine.input_packer import prepare_decode, prepare_prefill
+from nanoserve.kernels.torch_paged import TorchPagedAttention
+from nanoserve.recipes.assemble import recipe_for
 from nanoserve.stages import implemented_stages
 from nanoserve.types import Sequence
 
 from .conftest import TINY_FAMILIES, needs_smollm2
 
 # On a CPU, "auto" gives a Triton stage stage 04's torch path: the chain runs their kernels below.
-KERNEL_STAGES = {n for n, c in COMPOSITIONS.items() if "triton" in c.attention}
+KERNEL_STAGES = {
+    s.number for s in implemented_stages() if "triton" in recipe_for(s.number).backends
+}
 CHAINED = [
-    s for s in implemented_stages() if s.oracle_stage is not None and s.number not in KERNEL_STAGES
+    s for s in implemented_stages() if s.oracle is not None and s.number not in KERNEL_STAGES
 ]
 # Stage 03 is proven by a property (decode growth == bulk allocation), but it also runs an engine
 # (block tables over the allocator, K/V at flat slots), which must reproduce stage 01's tokens.
-PAIRS = [(s.number, s.oracle_stage) for s in CHAINED] + [
+PAIRS = [(s.number, s.oracle) for s in CHAINED] + [
     (s.number, 1) for s in implemented_stages() if s.number == 3
 ]
 PROMPT_LENGTHS = [1, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 47, 48, 49]  # around 4, 8, 16
@@ -43,15 +46,15 @@ def greedy_tokens(llm: LLM, prompts, max_tokens: int) -> list[list[int]]:
     return [out.token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize(("stage", "oracle_stage"), PAIRS, ids=lambda n: f"stage{n:02d}")
+@pytest.mark.parametrize(("stage", "oracle"), PAIRS, ids=lambda n: f"stage{n:02d}")
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_stage_reproduces_its_oracle_on_tiny_models_in_float64(
-    tiny_checkpoints, family, stage, oracle_stage
+    tiny_checkpoints, family, stage, oracle
 ):
     folder, _ = tiny_checkpoints[family]
     prompts = random_prompts(256)
     small = dict(max_model_len=128, max_num_seqs=6, block_size=4)  # several batches, many blocks
-    oracle = LLM(str(folder), stage=oracle_stage, device="cpu", dtype="float64", **small)
+    oracle = LLM(str(folder), stage=oracle, device="cpu", dtype="float64", **small)
     candidate = LLM(str(folder), stage=stage, device="cpu", dtype="float64", **small)
     assert greedy_tokens(candidate, prompts, 64) == greedy_tokens(oracle, prompts, 64)
 
@@ -68,7 +71,7 @@ SMOLLM2_PROMPTS = [
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", CHAINED, ids=lambda s: s.stem)
 def test_stage_reproduces_its_oracle_on_smollm2_in_float32(smollm2_llm, stage):
-    oracle = LLM("smollm2", stage=stage.oracle_stage, device="cpu", dtype="float32")
+    oracle = LLM("smollm2", stage=stage.oracle, device="cpu", dtype="float32")
     candidate = LLM("smollm2", stage=stage.number, device="cpu", dtype="float32")
     expected = greedy_tokens(oracle, SMOLLM2_PROMPTS, 24)
     assert greedy_tokens(candidate, SMOLLM2_PROMPTS, 24) == expected
@@ -83,7 +86,7 @@ def test_stage08_on_a_cpu_captures_nothing_and_reproduces_stage07(tiny_checkpoin
     small = dict(device="cpu", dtype="float64", max_model_len=128, max_num_seqs=6, block_size=4)
     stage08 = LLM(str(folder), stage=8, **small)
     assert stage08.engine.runner.graphs is None, "no CUDA graph on a CPU"
-    oracle = LLM(str(folder), stage=stage08.stage.oracle_stage, **small)
+    oracle = LLM(str(folder), stage=stage08.stage.oracle, **small)
     prompts = random_prompts(256)
     assert greedy_tokens(stage08, prompts, 64) == greedy_tokens(oracle, prompts, 64)
 

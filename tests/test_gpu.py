@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.cache.paged import TorchPagedAttention
+from nanoserve.kernels.torch_paged import TorchPagedAttention
 from nanoserve.testing import next_token_logits
 
 from .test_equivalence import step_logits

@@ -171,8 +171,8 @@ def test_the_stage_04_starter_pattern_loads_your_stage_02_03_files_wherever_pyte
     )
     (learner / "my_pool.py").write_text(
         "\n".join(pattern) + "\n"
-        "from nanoserve.cache.attention_metadata import prepare_decode, prepare_prefill\n"
-        "from nanoserve.cache.paged import gather_kv, store_kvcache\n"
+        "from nanoserve.engine.input_packer import prepare_decode, prepare_prefill\n"
+        "from nanoserve.kernels.torch_paged import gather_kv, store_kvcache\n"
         "from nanoserve.engine.block_manager import BlockManager as Reference\n"
         "class BlockManager(Reference):\n"
         "    def __init__(self, num_blocks, block_size):\n"

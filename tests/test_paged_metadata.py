@@ -2,9 +2,9 @@
 
 import torch
 
-from nanoserve.cache.attention_metadata import prepare_decode, prepare_prefill
-from nanoserve.cache.paged import gather_kv, store_kvcache
 from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.input_packer import prepare_decode, prepare_prefill
+from nanoserve.kernels.torch_paged import gather_kv, store_kvcache
 from nanoserve.sampling import SamplingParams
 from nanoserve.types import Sequence
 

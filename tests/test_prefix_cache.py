@@ -7,9 +7,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.cache.attention_metadata import chunk_end, prepare_prefill
 from nanoserve.config import EngineConfig
-from nanoserve.engine.prefix_block_manager import PrefixBlockManager
+from nanoserve.engine.input_packer import chunk_end, prepare_prefill
+from nanoserve.engine.prefix_block_manager import PrefixBlockManager, chain_hash
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.testing import ENGINE_MAX_MODEL_LEN
 from nanoserve.types import Sequence
@@ -241,3 +241,33 @@ class PrefixMachine(SchedulerMachine):
 
 TestPrefixMachine = PrefixMachine.TestCase
 TestPrefixMachine.settings = settings(max_examples=40, stateful_step_count=60, deadline=None)
+
+
+def test_admission_hashes_the_prompt_once_across_can_allocate_and_allocate():
+    calls = []
+
+    def counting_hash(parent, token_ids):
+        calls.append(token_ids)
+        return chain_hash(parent, token_ids)
+
+    manager = PrefixBlockManager(16, 4, hash_fn=counting_hash)
+    a = admitted(manager, A)
+    computed(manager, a)
+    calls.clear()
+    b = admitted(manager, B)  # can_allocate, then allocate: B's leading block is looked up once
+    assert b.num_cached_tokens == 4 and b.block_table[0] == a.block_table[0]
+    assert calls == [(11, 12, 13, 14), (51, 52, 53, 54)], "each prompt block is hashed once"
+
+
+def test_a_remembered_admission_is_not_reused_once_its_blocks_hold_other_content():
+    manager = PrefixBlockManager(4, 4)
+    a = admitted(manager, A)
+    computed(manager, a)
+    manager.deallocate(a)  # a's blocks are free but still findable
+    again = seq_of(A)
+    assert manager.can_allocate(again).num_cached_blocks == 2
+    other = admitted(manager, [90 + i for i in range(16)])  # takes every free block: cache gone
+    manager.deallocate(other)
+    manager.allocate(again)  # the hits can_allocate saw are gone: found anew, none cached
+    assert again.num_cached_tokens == 0
+    manager.check_invariants()

@@ -218,7 +218,7 @@ def test_64_streaming_clients_a_quarter_hanging_up_leave_nothing_behind(served, 
 
 
 def test_a_reader_that_falls_behind_gets_its_waiting_tokens_as_one_delta():
-    from nanoserve.engine.request_stream import RequestStream, TokenDelta
+    from nanoserve.serving.request_stream import RequestStream, TokenDelta
 
     async def main(coalesce):
         stream = RequestStream(0, asyncio.get_running_loop(), coalesce=coalesce)

@@ -43,7 +43,7 @@ def decode_step(engine, laps: Laps) -> int:
     runner, t = engine.runner, laps.now()
     batch = engine.scheduler.schedule()
     t = laps.lap("schedule", t)
-    inputs = runner.cache.prepare(batch)
+    inputs = runner.prepare(batch)
     t = laps.lap("prepare", t)
     logits = runner.forward(inputs, runner.attention, len(batch.seqs))
     t = laps.lap("forward", t)

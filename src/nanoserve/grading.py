@@ -1,8 +1,8 @@
 """Which implementation a stage's graded tests run against: the reference, the starter, or yours.
 
 Introduced in stage 00. A stage's API is the set of public names its `starter.py` defines; the
-stage's row in `engine/compositions.py` (`learner_api`) maps the same names to the reference
-objects, so any of them can stand in for the others. It loads implementations and nothing more:
+stage's table in `learner_api.py` maps the same names to the reference objects, so any of them
+can stand in for the others. It loads implementations and nothing more:
 running the tests is `nanoserve.check`'s job.
 """
 
@@ -16,7 +16,7 @@ import sys
 import types
 from pathlib import Path
 
-from nanoserve.engine.compositions import COMPOSITIONS
+from nanoserve.learner_api import has_learner_api, learner_api
 from nanoserve.stages import STAGES, Stage, get_stage
 
 IMPL_ENV_VAR = "NANOSERVE_IMPL"  # carries --impl to subprocesses and pytest-xdist workers
@@ -48,10 +48,10 @@ def stage_for_path(path: str | os.PathLike) -> Stage:
 
 def api_names(stage_number: int) -> list[str]:
     """The public names a stage's implementation must define."""
-    if stage_number not in COMPOSITIONS:
+    if not has_learner_api(stage_number):
         stage = get_stage(stage_number)
         raise ValueError(f"stage {stage_number} ({stage.stem}) has no graded learner API yet")
-    return list(COMPOSITIONS[stage_number].learner_api)
+    return list(learner_api(stage_number))
 
 
 def starter_names(stage_number: int) -> list[str]:
@@ -93,7 +93,7 @@ def load_impl(
     """
     names = api_names(stage_number)
     if impl == "ref":
-        return types.SimpleNamespace(**COMPOSITIONS[stage_number].learner_api)
+        return types.SimpleNamespace(**learner_api(stage_number))
     if impl == "starter":
         module = _module_from_file(repo_root() / get_stage(stage_number).starter)
     elif is_path_like(impl):

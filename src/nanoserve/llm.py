@@ -15,10 +15,10 @@ import torch
 from tqdm import tqdm
 
 from nanoserve.config import engine_config_for
-from nanoserve.engine.assemble import build_engine
 from nanoserve.models.loader import load_model_config, load_tokenizer, model_source
 from nanoserve.models.registry import DEFAULT_MODEL
 from nanoserve.parallel.group import start_engine
+from nanoserve.recipes.assemble import build_engine
 from nanoserve.sampling import SamplingParams
 from nanoserve.stages import latest_stage, require_implemented
 from nanoserve.types import ModelSpec
@@ -100,9 +100,7 @@ class LLM:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (also done at exit; one rank: nothing to do)."""
-        workers = self.engine.runner.workers
-        if workers is not None:
-            workers.shutdown()
+        self.engine.shutdown()
 
     def __enter__(self) -> LLM:
         return self

@@ -1,7 +1,9 @@
 """The stage manifest: the single source of truth for what each of the stages is and has.
 
-Introduced in stage 00. The README table, the docs, `nanoserve stages`, `nanoserve check` and the
-harness self-tests all read this list; nothing else hard-codes a stage number or path.
+Introduced in stage 00. The README table, the docs, `nanoserve stages`, `nanoserve check`, the
+equivalence chain and the harness self-tests all read this list; nothing else hard-codes a stage
+number or path. What a stage's engine is made of is its recipe (recipes/<slug>.py); what its
+learner writes is `learner_api.py`'s.
 """
 
 from __future__ import annotations
@@ -17,18 +19,19 @@ class StageStatus(Enum):
     PLANNED = "planned"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Stage:
     """One day-sized step of the curriculum."""
 
     number: int
-    stem: str
+    stem: str  # NN_slug: the folder stages/NN_slug, the page docs/stages/NN_slug.md, the recipe
     title: str
-    summary: str
-    proven_equal_to: str
-    reference_modules: tuple[str, ...]
-    needs_gpu: bool
-    status: StageStatus
+    summary: str  # what it adds, one line (the README table)
+    oracle: int | None  # the earlier stage whose tokens it must reproduce; None: another proof
+    proven_equal_to: str  # the proof in words (the README table)
+    reference_modules: tuple[str, ...]  # where its reference code lives, under src/nanoserve/
+    needs_gpu: bool = False
+    status: StageStatus = StageStatus.IMPLEMENTED
     has_notebook: bool = False
 
     @property
@@ -57,71 +60,104 @@ class Stage:
         return f"notebooks/{self.stem}.py" if self.has_notebook else None
 
     @property
-    def oracle_stage(self) -> int | None:
-        """The earlier stage whose tokens this one must reproduce, if it is proven by tokens."""
-        words = self.proven_equal_to.split()
-        return int(words[1]) if words[0] == "stage" else None
-
-    @property
     def is_implemented(self) -> bool:
         """True when the reference code exists and `LLM(stage=number)` works."""
         return self.status is StageStatus.IMPLEMENTED
 
 
-_I, _P = StageStatus.IMPLEMENTED, StageStatus.PLANNED
-
 STAGES: tuple[Stage, ...] = (
-    Stage(0, "00_model", "The model",
-          "decoder, loaders, sampler; generation recomputes everything (no KV cache)",
-          "Hugging Face transformers",
-          ("models/decoder.py", "models/loader.py", "models/gguf.py", "layers/norm.py",
-           "layers/rotary.py", "kernels/attention.py", "sampling.py", "cache/no_cache.py",
-           "engine/kv_manager.py"),
-          False, _I),
-    Stage(1, "01_contiguous_cache", "Contiguous KV cache",
-          "one K/V slab per sequence, sized for max_model_len", "stage 00",
-          ("cache/contiguous.py", "engine/slab_manager.py", "cache/budget.py"), False, _I),
-    Stage(2, "02_block_allocator", "Block allocator",
-          "a pool of fixed-size block ids: LIFO free list, all-or-nothing allocation",
-          "a set-based model (property test)", ("engine/allocator.py",), False, _I),
-    Stage(3, "03_block_table", "Block table",
-          "logical position -> (block, offset) -> flat slot; lazy growth",
-          "bulk allocation (decode growth == prefill)",
-          ("engine/block_table.py", "engine/table_manager.py", "cache/slot_cache.py"), False, _I,
-          has_notebook=True),
-    Stage(4, "04_paged_pool", "Paged KV pool",
-          "one pool tensor, slot-mapped writes, block-table reads, a block scheduler with "
-          "continuous batching and preemption", "stage 01",
-          ("cache/paged.py", "cache/attention_metadata.py", "engine/block_manager.py"), False,
-          _I, has_notebook=True),
-    Stage(5, "05_triton_store", "Triton store kernel",
-          "a Triton store_kvcache kernel writes K/V into slots", "stage 04 (pool bytes identical)",
-          ("kernels/store.py",), False, _I),
-    Stage(6, "06_paged_attention", "Paged attention kernels",
-          "attention reads K/V straight from scattered pages (varlen prefill, split-K decode)",
-          "stage 05", ("kernels/paged_tiles.py", "kernels/paged_prefill.py",
-                       "kernels/paged_decode.py", "kernels/triton_backend.py"), False, _I,
-          has_notebook=True),
-    Stage(7, "07_prefix_cache", "Prefix cache",
-          "chained hashes of full blocks, ref counts, sharing cached pages",
-          "stage 06 (fewer prefill tokens, same output)",
-          ("engine/prefix_block_manager.py",), False, _I, has_notebook=True),
-    Stage(8, "08_cuda_graphs", "CUDA graphs",
-          "captured decode graphs per batch-size bucket, static input buffers", "stage 07",
-          ("engine/cuda_graphs.py", "cache/attention_metadata.py", "layers/compiled.py"), True,
-          _I),
-    Stage(9, "09_tensor_parallel", "Tensor parallelism",
-          "column/row/vocab-parallel layers, worker processes, NCCL (gloo on CPU)",
-          "stage 08 with one rank",
-          ("layers/tensor_parallel.py", "layers/linear.py", "layers/embedding.py",
-           "layers/activation.py", "parallel/process_group.py", "parallel/worker.py",
-           "parallel/group.py"), False, _I),
-    Stage(10, "10_serving", "Serving",
-          "an async engine loop and an OpenAI-compatible HTTP server: streaming, abort on "
-          "disconnect, metrics", "stage 09 (served tokens equal offline ones)",
-          ("engine/async_engine.py", "engine/request_stream.py", "serving/server.py",
-           "serving/generation.py", "serving/protocol.py", "serving/text.py",
-           "serving/metrics.py", "bench/serve.py", "bench/clients.py"), False, _I),
+    Stage(
+        number=0, stem="00_model", title="The model",
+        summary="decoder, loaders, sampler; generation recomputes everything (no KV cache)",
+        oracle=None, proven_equal_to="Hugging Face transformers",
+        reference_modules=("models/decoder.py", "models/loader.py", "models/gguf.py",
+                           "layers/norm.py", "layers/rotary.py", "kernels/attention.py",
+                           "sampling.py", "cache/no_cache.py", "engine/kv_manager.py",
+                           "recipes/model.py"),
+    ),
+    Stage(
+        number=1, stem="01_contiguous_cache", title="Contiguous KV cache",
+        summary="one K/V slab per sequence, sized for max_model_len",
+        oracle=0, proven_equal_to="stage 00",
+        reference_modules=("cache/contiguous.py", "kernels/slab_attention.py",
+                           "engine/slab_manager.py", "cache/budget.py",
+                           "recipes/contiguous_cache.py"),
+    ),
+    Stage(
+        number=2, stem="02_block_allocator", title="Block allocator",
+        summary="a pool of fixed-size block ids: LIFO free list, all-or-nothing allocation",
+        oracle=None, proven_equal_to="a set-based model (property test)",
+        reference_modules=("engine/allocator.py", "recipes/block_allocator.py"),
+    ),
+    Stage(
+        number=3, stem="03_block_table", title="Block table",
+        summary="logical position -> (block, offset) -> flat slot; lazy growth",
+        oracle=None, proven_equal_to="bulk allocation (decode growth == prefill)",
+        reference_modules=("engine/block_table.py", "engine/table_manager.py",
+                           "cache/slot_cache.py", "kernels/slot_attention.py",
+                           "recipes/block_table.py"),
+        has_notebook=True,
+    ),
+    Stage(
+        number=4, stem="04_paged_pool", title="Paged KV pool",
+        summary="one pool tensor, slot-mapped writes, block-table reads, a block scheduler with "
+        "continuous batching and preemption",
+        oracle=1, proven_equal_to="stage 01",
+        reference_modules=("cache/paged.py", "kernels/torch_paged.py", "engine/input_packer.py",
+                           "engine/block_manager.py", "recipes/paged_pool.py"),
+        has_notebook=True,
+    ),
+    Stage(
+        number=5, stem="05_triton_store", title="Triton store kernel",
+        summary="a Triton store_kvcache kernel writes K/V into slots",
+        oracle=4, proven_equal_to="stage 04 (pool bytes identical)",
+        reference_modules=("kernels/store.py", "recipes/triton_store.py"),
+    ),
+    Stage(
+        number=6, stem="06_paged_attention", title="Paged attention kernels",
+        summary="attention reads K/V straight from scattered pages (varlen prefill, split-K "
+        "decode)",
+        oracle=5, proven_equal_to="stage 05",
+        reference_modules=("kernels/paged_tiles.py", "kernels/paged_prefill.py",
+                           "kernels/paged_decode.py", "kernels/triton_backend.py",
+                           "recipes/paged_attention.py"),
+        has_notebook=True,
+    ),
+    Stage(
+        number=7, stem="07_prefix_cache", title="Prefix cache",
+        summary="chained hashes of full blocks, ref counts, sharing cached pages",
+        oracle=6, proven_equal_to="stage 06 (fewer prefill tokens, same output)",
+        reference_modules=("engine/prefix_block_manager.py", "recipes/prefix_cache.py"),
+        has_notebook=True,
+    ),
+    Stage(
+        number=8, stem="08_cuda_graphs", title="CUDA graphs",
+        summary="captured decode graphs per batch-size bucket, static input buffers",
+        oracle=7, proven_equal_to="stage 07",
+        reference_modules=("engine/cuda_graphs.py", "engine/input_packer.py",
+                           "layers/compiled.py", "recipes/cuda_graphs.py",
+                           "recipes/assemble.py"),
+        needs_gpu=True,
+    ),
+    Stage(
+        number=9, stem="09_tensor_parallel", title="Tensor parallelism",
+        summary="column/row/vocab-parallel layers, worker processes, NCCL (gloo on CPU)",
+        oracle=8, proven_equal_to="stage 08 with one rank",
+        reference_modules=("layers/tensor_parallel.py", "layers/linear.py",
+                           "layers/embedding.py", "layers/activation.py",
+                           "parallel/process_group.py", "parallel/worker.py",
+                           "parallel/group.py", "recipes/tensor_parallel.py"),
+    ),
+    Stage(
+        number=10, stem="10_serving", title="Serving",
+        summary="an async engine loop and an OpenAI-compatible HTTP server: streaming, abort on "
+        "disconnect, metrics",
+        oracle=9, proven_equal_to="stage 09 (served tokens equal offline ones)",
+        reference_modules=("serving/async_engine.py", "serving/request_stream.py",
+                           "serving/server.py", "serving/generation.py", "serving/protocol.py",
+                           "serving/text.py", "serving/metrics.py", "bench/serve.py",
+                           "bench/clients.py", "recipes/serving.py"),
+    ),
 )  # fmt: skip
 
 

@@ -114,7 +114,7 @@ def greedy_token_ids(folder: str, stage: int, requests, **engine_options) -> lis
 @torch.inference_mode()
 def next_token_logits(model, token_ids: list[int]) -> torch.Tensor:
     """Logits (V,) after token_ids by a full recompute (stage 00's arithmetic), float32 on CPU."""
-    from nanoserve.cache.attention_metadata import pack_step
+    from nanoserve.engine.input_packer import pack_step
     from nanoserve.kernels.attention import NoCacheAttention
     from nanoserve.sampling import SamplingParams
     from nanoserve.types import Sequence

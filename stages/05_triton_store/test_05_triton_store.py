@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.cache.paged import store_kvcache as torch_store  # stage 04's scatter: the oracle
+from nanoserve.kernels.torch_paged import (
+    store_kvcache as torch_store,  # stage 04's scatter: the oracle
+)
 
 pytest.importorskip("triton", reason="stage 05 needs triton (pip install triton)")
 

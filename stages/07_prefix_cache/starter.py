@@ -21,8 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from nanoserve.engine.block_manager import BlockManager
-from nanoserve.engine.kv_manager import blocks_for, grow_table  # noqa: F401  (tasks 2 and 4)
-from nanoserve.engine.prefix_block_manager import Admission
+from nanoserve.engine.kv_manager import Admission, blocks_for, grow_table  # noqa: F401  (tasks 2, 4)
 from nanoserve.types import Sequence
 
 # BlockManager above is stage 04's reference. Your class inherits its state and the calls this
@@ -42,9 +41,9 @@ from nanoserve.types import Sequence
 #   from nanoserve import grading
 #   BlockManager = grading.load_impl(4, "my_pool.py", base=__file__).BlockManager
 #
-# Admission (given, from the reference) is what can_allocate returns: a NamedTuple
-# (fits: bool, num_cached_blocks: int) that is truthy exactly when it fits, so the scheduler's
-# `if manager.can_allocate(seq)` reads it as stage 04's bool.
+# Admission (given, from the cache-manager seam, kv_manager.py) is what can_allocate returns: a
+# NamedTuple (fits: bool, num_cached_blocks: int) that is truthy exactly when it fits, so the
+# scheduler's `if manager.can_allocate(seq)` reads it as stage 04's bool.
 
 # ---- task 1: the chained hash ----
 

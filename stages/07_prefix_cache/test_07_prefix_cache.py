@@ -20,8 +20,8 @@ import random
 import pytest
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.cache.attention_metadata import chunk_end, prepare_decode, prepare_prefill
 from nanoserve.config import EngineConfig
+from nanoserve.engine.input_packer import chunk_end, prepare_decode, prepare_prefill
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.types import Sequence
 

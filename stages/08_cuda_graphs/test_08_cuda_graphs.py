@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.cache.attention_metadata import pad_decode as reference_pad_decode
-from nanoserve.cache.attention_metadata import prepare_decode
 from nanoserve.engine import cuda_graphs
 from nanoserve.engine.cuda_graphs import DecodeGraphs, static_decode_inputs, table_width, view_rows
+from nanoserve.engine.input_packer import pad_decode as reference_pad_decode
+from nanoserve.engine.input_packer import prepare_decode
 from nanoserve.testing import RerunGraph
 from nanoserve.types import Sequence, StepInputs
 

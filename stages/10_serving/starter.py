@@ -20,17 +20,17 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from nanoserve.engine.async_engine import EngineThread, put_all  # noqa: F401  (given)
-from nanoserve.engine.request_stream import (  # noqa: F401  (given: the messages)
+from nanoserve.sampling import SamplingParams
+from nanoserve.serving.async_engine import EngineThread, put_all  # noqa: F401  (given)
+from nanoserve.serving.request_stream import (  # noqa: F401  (given: the messages)
     Abort,
     Add,
     Delivery,
     Request,
     TokenDelta,
 )
-from nanoserve.sampling import SamplingParams
 
-# Given (nanoserve/engine/async_engine.py, EngineThread): `self.engine` (an LLMEngine),
+# Given (nanoserve/serving/async_engine.py, EngineThread): `self.engine` (an LLMEngine),
 # `self.requests` (request_id -> Request(seq, stream, num_sent), yours to keep), `start()`,
 # `shutdown()`, `add_request(ids, params) -> RequestStream` and `abort(request_id)` (both put a
 # command on the queue and return at once), and the thread body that takes every queued command,

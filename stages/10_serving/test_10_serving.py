@@ -21,7 +21,14 @@ import time
 import pytest
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.engine.request_stream import Abort, Add, Delivery, Request, RequestStream, TokenDelta
+from nanoserve.serving.request_stream import (
+    Abort,
+    Add,
+    Delivery,
+    Request,
+    RequestStream,
+    TokenDelta,
+)
 
 STAGE = 10
 ENGINE = dict(stage=STAGE, device="cpu", dtype="float64", block_size=4, max_model_len=48)

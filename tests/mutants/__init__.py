@@ -30,7 +30,7 @@ from pathlib import Path
 
 from nanoserve import check, grading
 from nanoserve.check import TestResult
-from nanoserve.engine.compositions import COMPOSITIONS
+from nanoserve.learner_api import learner_api
 from nanoserve.stages import get_stage
 from tests.mutants.edits import EditError, apply_edit, definition_source
 
@@ -58,11 +58,6 @@ class Mutant:
     def module(self) -> str:
         """The reference module the mutant's learner file is made from."""
         return locate(self.stage, self.host or self.target)[0]
-
-
-def learner_api(stage: int) -> dict:
-    """API name -> reference object: every name the stage's starter.py defines."""
-    return COMPOSITIONS[stage].learner_api
 
 
 @functools.cache

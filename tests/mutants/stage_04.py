@@ -48,7 +48,7 @@ MUTANTS = (
     mutant(
         "deallocate_keeps_num_cached_tokens", "deallocate forgets num_cached_tokens = 0, so a "
         "preempted sequence is never recomputed",
-        "BlockManager.deallocate", ("seq.num_cached_tokens = 0", ""),
+        "BlockManager._release", ("seq.num_cached_tokens = 0", ""),
     ),
     mutant(
         "deallocate_in_reverse", "deallocate frees the blocks last to first",

@@ -56,13 +56,13 @@ MUTANTS = (
     mutant(
         "reclaimed_hit_counted_as_free", "can_allocate treats a freed cached block like a "
         "shared one: reclaiming it seems to cost no free block",
-        "PrefixBlockManager.can_allocate",
+        "PrefixBlockManager._admission",
         ("reclaimed = sum(1 for b in hits if self.ref_counts[b] == 0)", "reclaimed = 0"),
     ),
     mutant(
         "shared_hit_not_credited", "can_allocate still asks for a free block for every block, "
         "as stage 04 did, even those a live sequence shares",
-        "PrefixBlockManager.can_allocate",
+        "PrefixBlockManager._admission",
         ("blocks_for(len(seq), self.block_size) - len(hits) + reclaimed",
          "blocks_for(len(seq), self.block_size)"),
     ),
@@ -84,12 +84,14 @@ MUTANTS = (
     mutant(
         "stale_entry_kept_by_allocate", "a block handed out for new content keeps its old "
         "index entry: its old prefix is served from the new K/V",
-        "PrefixBlockManager.allocate", (FORGET_FRESH, ""),
+        "PrefixBlockManager.allocate", ("self._grow(seq, table)", "super()._grow(seq, table)"),
     ),
     mutant(
         "stale_entry_kept_by_decode_growth", "may_append pulls a block without dropping its old "
-        "index entry",
-        "PrefixBlockManager.may_append", (FORGET_FRESH, ""),
+        "index entry (only allocate drops them)",
+        "PrefixBlockManager",  # _grow, which may_append calls, and allocate
+        (FORGET_FRESH, ""),
+        ("self._grow(seq, table)", f"fresh = self._grow(seq, table)\n{FORGET_FRESH}"),
     ),
     # ---- hashing ----
     mutant(
@@ -103,15 +105,20 @@ MUTANTS = (
         "shared_block_freed", "deallocate frees every block of the sequence, even one another "
         "sequence still holds",
         "PrefixBlockManager.deallocate",
-        ("if self.ref_counts[block_id] == 0:\n    freed.append(block_id)",
-         "freed.append(block_id)"),
+        ("[b for b in reversed(block_ids) if self.ref_counts[b] == 0]",
+         "list(reversed(block_ids))"),
     ),
     mutant(
         "shared_count_not_dropped", "deallocate zeroes the counts of the blocks it held alone "
         "but leaves a shared block's count as it was (preemption leaks it)",
-        "PrefixBlockManager.deallocate",
-        ("self.ref_counts[block_id] -= 1",
-         "if self.ref_counts[block_id] == 1:\n    self.ref_counts[block_id] = 0"),
+        "PrefixBlockManager.deallocate",  # its own release, in place of stage 04's _release
+        ("block_ids = self._release(seq)",
+         "block_ids = self.tables.pop(seq.seq_id).release()\n"
+         "for block_id in block_ids:\n"
+         "    if self.ref_counts[block_id] == 1:\n"
+         "        self.ref_counts[block_id] = 0\n"
+         "seq.block_table = []\n"
+         "seq.num_cached_tokens = 0"),
     ),
     mutant(
         "released_in_table_order", "deallocate walks the table first block first, as stage 04 "

@@ -18,6 +18,7 @@ import time
 from typing import NamedTuple
 
 from nanoserve.bench.workload import WARMUP_MAX_TOKENS, WARMUP_PROMPT_LEN, Workload
+from nanoserve.child_process import ChildProcess, Ready, broadcast, receive_all, stop_all
 
 SERVED_NAME = "bench"  # the model name the benchmark's server answers to
 
@@ -97,52 +98,29 @@ async def drive_share(url: str, requests: list[Request], max_concurrency: int | 
 
 
 def client_process(conn, url: str, requests: list[Request], max_concurrency: int | None) -> None:
-    """A client process: say "ready", wait for the start time, send its share, return timings."""
-    import httpx  # noqa: F401  (imported before "ready", so the start is not spent importing)
+    """A client process: say Ready, wait for the start time, send its share, return timings.
+    An error (say, what the server answered) goes to the parent as its last word."""
+    import httpx  # noqa: F401  (imported before Ready, so the start is not spent importing)
 
-    try:
-        conn.send("ready")
-        start = conn.recv()
-        conn.send(("timings", asyncio.run(drive_share(url, requests, max_concurrency, start))))
-    except Exception as err:  # the parent raises it, with what the server answered
-        conn.send(("failed", f"{type(err).__name__}: {err}"))
-    finally:
-        conn.close()
+    conn.send(Ready())
+    start = conn.recv()
+    conn.send(asyncio.run(drive_share(url, requests, max_concurrency, start)))
 
 
 def drive_in_processes(url: str, shares: list[list[Request]],
                        limits: list[int | None]) -> tuple[list[Timing], float]:  # fmt: skip
     """Each share from a client process of its own, all starting at one instant of the clock."""
-    import multiprocessing as mp
-
-    context = mp.get_context("spawn")
-    pipes, processes = [], []
+    clients = []
     try:
-        for share, limit in zip(shares, limits):
-            ours, theirs = context.Pipe()
-            process = context.Process(target=client_process, name="nanoserve-bench-client",
-                                      args=(theirs, url, share, limit), daemon=True)  # fmt: skip
-            process.start()
-            theirs.close()
-            pipes.append(ours)
-            processes.append(process)
-        for conn in pipes:
-            if conn.recv() != "ready":
-                raise RuntimeError("a client process did not start")
+        for i, (share, limit) in enumerate(zip(shares, limits), start=1):
+            clients.append(ChildProcess(client_process, (url, share, limit),
+                                        name=f"bench client process {i}"))  # fmt: skip
+        receive_all(clients, Ready, doing="start")
         start = time.perf_counter() + 0.05  # every process has the start before it comes
-        for conn in pipes:
-            conn.send(start)
-        timings = []
-        for conn in pipes:
-            kind, detail = conn.recv()
-            if kind != "timings":
-                raise RuntimeError(f"a client process failed: {detail}")
-            timings += detail
+        broadcast(clients, start)
+        timings = [t for share_timings in receive_all(clients, list) for t in share_timings]
     finally:
-        for process in processes:
-            process.join(5)
-            if process.is_alive():
-                process.kill()
+        stop_all(clients)
     return timings, max(t.done for t in timings) - start
 
 

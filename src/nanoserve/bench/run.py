@@ -116,14 +116,13 @@ def drive(engine, prompts: list[list[int]], params: list) -> list:
 
 def run_nanoserve(spec, model, stage: int, config: EngineConfig, workload: Workload) -> BenchResult:
     """Build the stage's engine on `model`, warm it up, and time the whole workload."""
-    from nanoserve.engine.assemble import build_engine
-    from nanoserve.engine.compositions import COMPOSITIONS
     from nanoserve.layers.compiled import unfuse_small_ops
     from nanoserve.parallel.group import start_engine
+    from nanoserve.recipes.assemble import build_engine, recipe_for
     from nanoserve.sampling import SamplingParams
 
     device = spec.device
-    shards = COMPOSITIONS[stage].shards_model and config.tensor_parallel_size > 1
+    shards = recipe_for(stage).shards_model and config.tensor_parallel_size > 1
     if shards:  # rank 0 and each worker build their own shard; the shared model sits idle
         engine = start_engine(stage, config, spec, model.config.eos_token_ids)
     else:  # a stage before 09 runs on one rank, beside the sharded one in the same table
@@ -142,8 +141,7 @@ def run_nanoserve(spec, model, stage: int, config: EngineConfig, workload: Workl
     output_tokens = sum(seq.num_completion_tokens for seq in seqs)
     ranks = f", tp {config.tensor_parallel_size}" if shards else ""
     name = f"nanoserve stage {stage} ({engine.attention.name}{ranks})"
-    if shards:
-        engine.runner.workers.shutdown()
+    engine.shutdown()
     unfuse_small_ops(model)  # stage 08 fused the shared model's small ops: the next stage must not
     del engine, seqs
     release_memory(device)

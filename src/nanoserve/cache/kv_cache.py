@@ -1,27 +1,26 @@
 """The KV-cache seam: the contract every stage's cache (the data plane) meets.
 
-Introduced when the seams were drawn (before stage 05). A cache owns tensors and turns a
-scheduled batch into one step's inputs; it decides nothing (admission and growth are the cache
-manager's, in engine/) and computes no attention (the backend's, in kernels/ or beside the cache).
+Introduced in stage 04, when a second cache layout arrived. A cache owns K/V tensors and nothing
+else: it decides nothing (admission and growth are the cache manager's, in engine/), packs no
+inputs (the model runner's `InputPacker`) and computes no attention (the backends, in kernels/).
 """
 
 from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from nanoserve.types import ScheduledBatch, StepInputs
+import torch
 
 
 @runtime_checkable
 class KVCache(Protocol):
-    """Tensors for K/V plus the per-step packing.
+    """K/V tensors on `device`, addressed in units of `block_size` tokens.
 
-    Contract: `prepare(batch)` reads each sequence's tokens, `num_cached_tokens` and where its
-    K/V lives (`block_table`, or `slab_id` in stage 01), changes nothing, and returns the step's
-    `StepInputs`: packed `input_ids` and `positions` of the tokens to compute (the uncached ones;
-    every token at stage 00) and one `AttentionMetadata`. Its tensors are on `device`.
+    Contract: `block_size` is how many tokens one block-table entry covers (a stage-01 slab:
+    max_model_len; stage 00's NoCache: 1, it stores nothing), so flat slot = entry * block_size +
+    offset. The tensors are allocated once, at construction, and never reallocated: CUDA graphs
+    (stage 08) record their addresses.
     """
 
-    device: object
-
-    def prepare(self, batch: ScheduledBatch) -> StepInputs: ...
+    device: torch.device
+    block_size: int

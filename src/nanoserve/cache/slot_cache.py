@@ -14,13 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.cache.attention_metadata import pack_step
-from nanoserve.kernels.attention import attend
-from nanoserve.types import AttentionMetadata, ScheduledBatch, StepInputs
-
 
 class SlotKVCache:
-    """Flat per-layer K/V addressed by slot, and the inputs for each sequence's new tokens."""
+    """Flat per-layer K/V addressed by slot; `kernels/slot_attention.py` writes and reads it."""
 
     def __init__(self, num_blocks, block_size, num_layers, num_kv_heads, head_dim, dtype,
                  device):  # fmt: skip
@@ -28,32 +24,3 @@ class SlotKVCache:
         self.kv = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
         self.device = device
-
-    def prepare(self, batch: ScheduledBatch) -> StepInputs:
-        """New tokens of each sequence, the slots they are written to, the tables to read."""
-        tables = [seq.block_table for seq in batch.seqs]
-        return pack_step(batch.seqs, tables, self.block_size, self.device,
-                         is_prefill=batch.is_prefill)  # fmt: skip
-
-
-class SlotAttention:
-    """Write every new token's K/V to its slot, then read each sequence's slots and attend."""
-
-    name = "torch"
-
-    def __init__(self, cache: SlotKVCache):
-        self.cache = cache
-
-    def forward(self, layer_id: int, q, k, v, scale: float, metadata: AttentionMetadata):
-        """(T, H, D) outputs for the packed new tokens of every sequence."""
-        kv, bs = self.cache.kv, self.cache.block_size
-        k_cache, v_cache = kv[0, layer_id], kv[1, layer_id]  # (num_slots, H_kv, D)
-        k_cache[metadata.slot_mapping] = k
-        v_cache[metadata.slot_mapping] = v
-        host, outputs = metadata.host, []
-        for i, context_len in enumerate(host.context_lens):
-            p = torch.arange(context_len, device=kv.device)  # positions 0 .. n-1
-            slots = metadata.block_tables[i, p // bs].long() * bs + p % bs  # one slot each
-            s, e = host.cu_seqlens_q[i], host.cu_seqlens_q[i + 1]
-            outputs.append(attend(q[s:e], k_cache[slots], v_cache[slots], scale))
-        return torch.cat(outputs)

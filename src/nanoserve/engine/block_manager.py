@@ -48,10 +48,7 @@ class BlockManager:
 
     def allocate(self, seq: Sequence) -> None:
         """Give seq blocks for all its current tokens (all-or-nothing)."""
-        table = self.table_cls(self.allocator, self.block_size)
-        self._hold(grow_table(table, len(seq)))
-        self.tables[seq.seq_id] = table
-        seq.block_table = table.block_ids  # the runner reads it each step
+        self._grow(seq, self.table_cls(self.allocator, self.block_size))
 
     def can_append(self, seq: Sequence) -> bool:
         """True when seq's next decode token fits: in its last block, or in one free block."""
@@ -61,21 +58,37 @@ class BlockManager:
 
     def may_append(self, seq: Sequence) -> None:
         """Make room for the token this decode step writes (a new block only at a boundary)."""
-        table = self.tables[seq.seq_id]
-        self._hold(grow_table(table, len(seq)))
-        seq.block_table = table.block_ids  # a table may replace its list when it grows
+        self._grow(seq, self.tables[seq.seq_id])
 
     def deallocate(self, seq: Sequence) -> None:
         """Drop seq's hold on its blocks (finish or preemption); free those nobody else holds.
 
         Blocks go back in table order, so the last one freed is the first handed out again.
         """
+        block_ids = self._release(seq)
+        self.allocator.free([b for b in block_ids if self.ref_counts[b] == 0])
+
+    def _grow(self, seq: Sequence, table: BlockTable) -> list[int]:
+        """Grow table to len(seq) tokens, hold what it pulled, record it as seq's; returns the
+        new ids. An OutOfBlocks leaves everything as it was.
+
+        This and `_release` are the only writers of seq.block_table: the manager owns the table,
+        the sequence shows it (re-shown each time: a table may replace its list when it grows).
+        """
+        fresh = grow_table(table, len(seq))
+        self._hold(fresh)
+        self.tables[seq.seq_id] = table
+        seq.block_table = table.block_ids
+        return fresh
+
+    def _release(self, seq: Sequence) -> list[int]:
+        """Drop seq's table and its hold on every block; returns the ids in table order."""
         block_ids = self.tables.pop(seq.seq_id).release()
         for block_id in block_ids:
             self.ref_counts[block_id] -= 1
-        self.allocator.free([b for b in block_ids if self.ref_counts[b] == 0])
         seq.block_table = []
         seq.num_cached_tokens = 0
+        return block_ids
 
     def _hold(self, block_ids: list[int]) -> None:
         for block_id in block_ids:

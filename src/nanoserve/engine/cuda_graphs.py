@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from nanoserve.cache.attention_metadata import pad_decode
+from nanoserve.engine.input_packer import pad_decode
 from nanoserve.engine.kv_manager import blocks_for
 from nanoserve.types import AttentionMetadata, HostMetadata, StepInputs
 

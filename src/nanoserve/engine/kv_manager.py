@@ -9,9 +9,21 @@ arithmetic the table and block managers share.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from nanoserve.types import Sequence
+
+
+class Admission(NamedTuple):
+    """can_allocate's answer from stage 07 on: does the sequence fit, and how many leading
+    blocks are cached. Truthy exactly when it fits, so `if manager.can_allocate(seq)` reads it
+    as the bool of earlier stages."""
+
+    fits: bool
+    num_cached_blocks: int
+
+    def __bool__(self) -> bool:
+        return self.fits
 
 
 @runtime_checkable

@@ -1,8 +1,8 @@
 """The engine loop: validate and queue requests, then step = schedule, run, postprocess.
 
 Introduced in stage 00; every stage reuses it and only swaps the cache manager (memory
-bookkeeping), the cache (tensor layout) and the attention backend (engine/compositions.py). It
-does no tokenization: requests arrive as ids.
+bookkeeping), the cache (tensor layout), the input packer and the attention backend (each stage's
+recipe, recipes/<slug>.py). It does no tokenization: requests arrive as ids.
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ class LLMEngine:
         if not batch.seqs:
             raise RuntimeError("scheduler produced an empty batch with requests pending")
         try:
-            token_ids = self.runner.run(batch)
+            inputs = self.runner.prepare(batch)
+            token_ids = self.runner.run(batch, inputs)
         except BaseException:  # an error or an interrupt inside the forward pass
             self.scheduler.undo(batch)
             raise
@@ -77,13 +78,17 @@ class LLMEngine:
             self.num_prefill_tokens += sum(seq.num_scheduled_tokens for seq in batch.seqs)
         if self.on_step is not None:
             num_preempted = self.scheduler.num_preemptions - num_preempted_before
-            self.on_step(StepRecord(self.num_steps, batch, self.runner.last_inputs, num_preempted))
+            self.on_step(StepRecord(self.num_steps, batch, inputs, num_preempted))
         return self.scheduler.postprocess(batch, token_ids, self.eos_ids)
 
     def abort(self, seqs: Iterable[Sequence]) -> None:
         """Remove these requests from the queues and free their memory (finished ones: no-op)."""
         for seq in seqs:
             self.scheduler.abort(seq)
+
+    def shutdown(self) -> None:
+        """Release what outlives a call: the tensor-parallel workers, if any (idempotent)."""
+        self.runner.shutdown()
 
     def has_unfinished(self) -> bool:
         """True while some request waits or runs."""

@@ -1,10 +1,13 @@
-"""The model runner: builds the model from a spec, then turns each batch into one model call.
+"""The model runner: per step, pack the batch's inputs, run the model, sample.
 
-Introduced in stage 00. It owns the model, the stage's KV cache and attention backend (bound
-once the cache is sized) and the sampler; it makes no scheduling decisions and keeps no
-per-request state. Building from a `ModelSpec` is what lets a stage-09 worker build its own shard;
-on rank 0 the runner also hands each step to the workers (`StepFanout`), on a worker `execute`
-runs the step rank 0 sent.
+Introduced in stage 00. It is built whole: the model, the stage's KV cache, the attention backend
+over it, the input packer, and (stage 08) the decode graphs and (stage 09) the tensor-parallel
+workers all arrive at construction (`recipes/assemble.py` builds them). It makes no scheduling
+decisions and keeps no per-request state. On rank 0 of several it hands each step to the workers
+(`StepFanout`); on a worker `execute` runs the step rank 0 sent.
+
+    step:  prepare(batch) -> StepInputs  ->  run(batch, inputs) -> token ids
+           (host lists -> device tensors)    (forward or graph replay, then the sampler)
 """
 
 from __future__ import annotations
@@ -14,16 +17,15 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from nanoserve.cache.attention_metadata import pack_rows, pack_step, step_row
 from nanoserve.cache.kv_cache import KVCache
 from nanoserve.config import EngineConfig
+from nanoserve.engine.cuda_graphs import DecodeGraphs
+from nanoserve.engine.input_packer import InputPacker, pack_step
 from nanoserve.kernels.attention import NoCacheAttention
 from nanoserve.kernels.backend import AttentionBackend
-from nanoserve.layers.tensor_parallel import TensorParallel
 from nanoserve.models.decoder import CausalLM
-from nanoserve.models.loader import load_model
 from nanoserve.sampling import Sampler, SamplingParams
-from nanoserve.types import ModelSpec, ScheduledBatch, Sequence, StepInputs, StepMessage
+from nanoserve.types import ScheduledBatch, Sequence, StepInputs, StepMessage
 
 
 @runtime_checkable
@@ -34,9 +36,11 @@ class StepFanout(Protocol):
     worker, which packs the same inputs and runs the same forward (their collectives meet rank
     0's inside it). An exception leaving it is re-raised as `WorkerDied` when a worker is gone or
     the group can no longer agree (the group is then shut down); otherwise unchanged.
+    `shutdown()` stops every worker (idempotent).
     """
 
     def step(self, message: StepMessage) -> AbstractContextManager: ...
+    def shutdown(self) -> None: ...
 
 
 def completes_prompt(seq: Sequence) -> bool:
@@ -45,35 +49,29 @@ def completes_prompt(seq: Sequence) -> bool:
 
 
 class ModelRunner:
-    """Build the model; then per step: prepare, forward, sample."""
+    """The model and everything a step needs; per step: prepare, forward, sample."""
 
-    def __init__(self, spec: ModelSpec, model: CausalLM | None = None):
-        """Load the model `spec` names (or reuse `model`, already built from that spec)."""
-        self.spec = spec
-        tp = TensorParallel(spec.tp_rank, spec.tp_size)
-        self.model = model if model is not None else load_model(spec.source, spec.device,
-                                                                spec.dtype, tp)  # fmt: skip
-        self.device, self.dtype = spec.device, spec.dtype
+    def __init__(self, model: CausalLM, cache: KVCache, attention: AttentionBackend,
+                 packer: InputPacker, graphs: DecodeGraphs | None = None,
+                 workers: StepFanout | None = None):  # fmt: skip
+        self.model = model
+        self.device, self.dtype = cache.device, model.dtype
+        self.cache, self.attention, self.packer = cache, attention, packer
+        self.graphs = graphs  # stage 08: replayed for decode steps that fit a bucket
+        self.workers = workers  # stage 09, on rank 0 of several: the other ranks
         self.sampler = Sampler()
-        self.cache: KVCache | None = None  # bound by `bind` once the pool is sized
-        self.attention: AttentionBackend | None = None
-        self.last_inputs: StepInputs | None = None  # kept for --trace
-        self.graphs = None  # stage 08: DecodeGraphs, replayed for decode steps that fit
-        self.workers: StepFanout | None = None  # stage 09, on rank 0 of several
 
-    def bind(self, cache: KVCache, attention: AttentionBackend) -> None:
-        """Attach the stage's cache and the backend that attends over it."""
-        self.cache, self.attention = cache, attention
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        """The step's device tensors, packed from the batch's host lists."""
+        return self.packer.prepare(batch)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int | None]:
+    def run(self, batch: ScheduledBatch, inputs: StepInputs) -> list[int | None]:
         """The next token id of every sequence in the batch (None: a prefill chunk, no sample).
 
         Only sequences whose last token this step computes are sampled, so a seeded request
         draws the same numbers whether its prompt was prefilled whole or in chunks.
         """
-        inputs = self.cache.prepare(batch)
-        self.last_inputs = inputs
         with self.fan_out(batch):
             logits = self.forward(inputs, self.attention, len(batch.seqs))
         rows = [i for i, seq in enumerate(batch.seqs) if completes_prompt(seq)]
@@ -90,39 +88,47 @@ class ModelRunner:
         """Stage 09: the workers run this step beside rank 0 (nothing to do with one rank)."""
         if self.workers is None:
             return nullcontext()
-        rows = [step_row(seq, seq.block_table) for seq in batch.seqs]
-        return self.workers.step(StepMessage(batch.is_prefill, rows, len(batch.seqs)))
+        return self.workers.step(self.packer.rows(batch))
 
     @torch.inference_mode()
     def execute(self, message: StepMessage) -> None:
         """A tensor-parallel worker's step: pack rank 0's rows as rank 0 did, run the forward."""
-        inputs = pack_rows(message.rows, self.cache.block_size, self.device,
-                           is_prefill=message.is_prefill)  # fmt: skip
-        self.forward(inputs, self.attention, message.num_seqs)
+        self.forward(self.packer.prepare_rows(message), self.attention, message.num_seqs)
 
-    def forward(self, inputs: StepInputs, attention, num_seqs: int) -> torch.Tensor | None:
-        """Logits (num_seqs, vocab) at the last packed row of each of the first num_seqs (None
-        on a tensor-parallel worker: rank 0 gathers the logits and samples)."""
-        md = inputs.metadata
-        if self.graphs is not None and self.graphs.can_replay(inputs):
-            return self.model.compute_logits(self.graphs.replay(inputs))  # one row per sequence
-        hidden = self.model(inputs.input_ids, inputs.positions, attention, md)
-        last_rows = md.cu_seqlens_q[1 : num_seqs + 1].long() - 1
-        return self.model.compute_logits(hidden[last_rows])
+    def forward(self, inputs: StepInputs, attention, num_seqs: int) -> torch.Tensor:
+        """Logits (num_seqs, vocab) at the last packed row of each of the first num_seqs (on a
+        tensor-parallel worker the gather leaves them to rank 0, which samples)."""
+        return forward_logits(self.model, inputs, attention, num_seqs, self.graphs)
 
-    @torch.inference_mode()
-    def warmup_peak_bytes(self, config: EngineConfig) -> int:
-        """CUDA memory one full prefill batch takes beyond what is allocated now (no cache)."""
-        seq_len = config.max_model_len
-        num_seqs = max(1, min(config.max_num_seqs, config.max_num_batched_tokens // seq_len))
-        params = SamplingParams(max_tokens=1)
-        seqs = [Sequence([0] * seq_len, params, self.device) for _ in range(num_seqs)]
-        inputs = pack_step(seqs, [[] for _ in seqs], 1, self.device, is_prefill=True)
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        current = torch.cuda.memory_allocated(self.device)
-        self.forward(inputs, NoCacheAttention(), num_seqs)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        torch.cuda.empty_cache()
-        return peak - current
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (one rank: nothing to do)."""
+        if self.workers is not None:
+            self.workers.shutdown()
+
+
+def forward_logits(model: CausalLM, inputs: StepInputs, attention, num_seqs: int,
+                   graphs: DecodeGraphs | None = None) -> torch.Tensor:  # fmt: skip
+    """One model call: a graph replay for a decode step that fits one, else eager."""
+    if graphs is not None and graphs.can_replay(inputs):
+        return model.compute_logits(graphs.replay(inputs))  # one row per sequence
+    hidden = model(inputs.input_ids, inputs.positions, attention, inputs.metadata)
+    last_rows = inputs.metadata.cu_seqlens_q[1 : num_seqs + 1].long() - 1
+    return model.compute_logits(hidden[last_rows])
+
+
+@torch.inference_mode()
+def warmup_peak_bytes(model: CausalLM, config: EngineConfig, device: torch.device) -> int:
+    """CUDA memory one full prefill batch takes beyond what is allocated now (no cache)."""
+    seq_len = config.max_model_len
+    num_seqs = max(1, min(config.max_num_seqs, config.max_num_batched_tokens // seq_len))
+    params = SamplingParams(max_tokens=1)
+    seqs = [Sequence([0] * seq_len, params, device) for _ in range(num_seqs)]
+    inputs = pack_step(seqs, [[] for _ in seqs], 1, device, is_prefill=True)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    current = torch.cuda.memory_allocated(device)
+    forward_logits(model, inputs, NoCacheAttention(), num_seqs)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    torch.cuda.empty_cache()
+    return peak - current

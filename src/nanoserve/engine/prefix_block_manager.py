@@ -18,7 +18,8 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from nanoserve.engine.block_manager import BlockManager
-from nanoserve.engine.kv_manager import blocks_for, grow_table
+from nanoserve.engine.block_table import BlockTable
+from nanoserve.engine.kv_manager import Admission, blocks_for
 from nanoserve.types import Sequence
 
 
@@ -38,14 +39,17 @@ class CachedBlock(NamedTuple):
     version: int  # changes whenever the block is hashed anew, so stale children cannot match
 
 
-class Admission(NamedTuple):
-    """can_allocate's answer: does the sequence fit, and how many leading blocks are cached."""
+class Remembered(NamedTuple):
+    """The prefix can_allocate found for one sequence, so allocate need not hash it again."""
 
-    fits: bool
-    num_cached_blocks: int
+    key: tuple[int, int]  # (seq_id, len(seq)) when it was found
+    hits: list[tuple[int, CachedBlock]]  # (block id, the entry it held) per hit, in order
 
-    def __bool__(self) -> bool:
-        return self.fits
+    def answers(self, seq: Sequence, cached: dict[int, CachedBlock]) -> bool:
+        """True for the same sequence at the same length while every hit block still holds the
+        very entry it held (none was rehashed or handed out for other content since)."""
+        same_seq = self.key == (seq.seq_id, len(seq))
+        return same_seq and all(cached.get(block_id) is entry for block_id, entry in self.hits)
 
 
 class PrefixBlockManager(BlockManager):
@@ -60,6 +64,7 @@ class PrefixBlockManager(BlockManager):
         self.num_versions = 0
         self.num_prompt_tokens = 0  # for the hit rate: every admitted prompt token ...
         self.num_hit_tokens = 0  # ... and those found cached
+        self.remembered: Remembered | None = None  # the last admission's hits (hash once)
 
     @property
     def hit_rate(self) -> float:
@@ -83,41 +88,45 @@ class PrefixBlockManager(BlockManager):
 
     def can_allocate(self, seq: Sequence) -> Admission:
         """Fits when the free blocks cover the uncached blocks plus the freed hits reclaimed."""
-        hits = self.cached_prefix(seq)
-        reclaimed = sum(1 for b in hits if self.ref_counts[b] == 0)  # they come off the free list
-        need = blocks_for(len(seq), self.block_size) - len(hits) + reclaimed
-        return Admission(self.num_free_blocks >= need, len(hits))
+        return self._admission(seq, self._hits(seq))
 
     def allocate(self, seq: Sequence) -> None:
         """Share or reclaim the cached prefix, pull fresh blocks for the rest (all-or-nothing)."""
-        hits = self.cached_prefix(seq)
-        if not self.can_allocate(seq):
+        hits = self._hits(seq)  # what can_allocate just found: the prompt is hashed once
+        if not self._admission(seq, hits):
             raise ValueError(f"sequence {seq.seq_id} does not fit; ask can_allocate first")
-        table = self.table_cls(self.allocator, self.block_size)
         for block_id in hits:
             if self.ref_counts[block_id] == 0:  # freed but still holding this prefix
                 self.allocator.take(block_id)
+        table = self.table_cls(self.allocator, self.block_size)
         table.adopt(hits)
         self._hold(hits)
-        fresh = grow_table(table, len(seq))
-        for block_id in fresh:  # handed out for new content: its old entry is stale
-            self._forget(block_id)
-        self._hold(fresh)
-        self.tables[seq.seq_id] = table
+        self._grow(seq, table)
         self.num_hashed[seq.seq_id] = len(hits)
-        seq.block_table = table.block_ids
         seq.num_cached_tokens = len(hits) * self.block_size
         self.num_prompt_tokens += len(seq)
         self.num_hit_tokens += seq.num_cached_tokens
 
-    def may_append(self, seq: Sequence) -> None:
-        """Grow as stage 04 does; a block pulled for the new token drops any stale entry."""
-        table = self.tables[seq.seq_id]
-        fresh = grow_table(table, len(seq))
+    def _hits(self, seq: Sequence) -> list[int]:
+        """cached_prefix(seq), remembered between can_allocate and allocate of the same seq."""
+        memo = self.remembered
+        if memo is not None and memo.answers(seq, self.cached):
+            return [block_id for block_id, _ in memo.hits]
+        hits = self.cached_prefix(seq)
+        self.remembered = Remembered((seq.seq_id, len(seq)), [(b, self.cached[b]) for b in hits])
+        return hits
+
+    def _admission(self, seq: Sequence, hits: list[int]) -> Admission:
+        reclaimed = sum(1 for b in hits if self.ref_counts[b] == 0)  # they come off the free list
+        need = blocks_for(len(seq), self.block_size) - len(hits) + reclaimed
+        return Admission(self.num_free_blocks >= need, len(hits))
+
+    def _grow(self, seq: Sequence, table: BlockTable) -> list[int]:
+        """Grow as stage 04 does; a block pulled for new content drops its stale entry."""
+        fresh = super()._grow(seq, table)
         for block_id in fresh:
             self._forget(block_id)
-        self._hold(fresh)
-        seq.block_table = table.block_ids
+        return fresh
 
     def hash_blocks(self, seq: Sequence) -> None:
         """Index every block of seq that is full of computed K/V and not yet hashed."""
@@ -140,16 +149,9 @@ class PrefixBlockManager(BlockManager):
 
     def deallocate(self, seq: Sequence) -> None:
         """Drop seq's hold, last block first; freed blocks stay findable by their hash."""
-        block_ids = self.tables.pop(seq.seq_id).release()
         del self.num_hashed[seq.seq_id]
-        freed = []
-        for block_id in reversed(block_ids):
-            self.ref_counts[block_id] -= 1
-            if self.ref_counts[block_id] == 0:
-                freed.append(block_id)
-        self.allocator.free(freed)
-        seq.block_table = []
-        seq.num_cached_tokens = 0
+        block_ids = self._release(seq)
+        self.allocator.free([b for b in reversed(block_ids) if self.ref_counts[b] == 0])
 
     def _forget(self, block_id: int) -> None:
         """Remove a block's content entry (it is about to hold something else)."""

@@ -1,8 +1,9 @@
 """The scheduler: which sequences run in the next step, and whether it is a prefill or a decode.
 
-Introduced in stage 00; unchanged in spirit through stage 09. Memory is the cache manager's
-business (`can_allocate/allocate/can_append/may_append/deallocate`); the scheduler only asks.
-A step is all-prefill or all-decode (no chunked prefill, no mixing), as in nano-vLLM.
+Introduced in stage 00; unchanged in spirit since. Memory is the cache manager's business
+(`can_allocate/allocate/can_append/may_append/deallocate`); the scheduler only asks. A step is
+all-prefill or all-decode (never mixed), as in nano-vLLM; with enable_chunked_prefill a long
+prompt is prefilled over several steps, a budget's worth at a time.
 """
 
 from __future__ import annotations

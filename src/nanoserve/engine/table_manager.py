@@ -51,12 +51,8 @@ class TableManager:
 
     def allocate(self, seq: Sequence) -> None:
         """Pull blocks for the prompt now; promise the rest of the worst case."""
-        table = self.table_cls(self.allocator, self.block_size)
-        table.append(len(seq))
-        self.tables[seq.seq_id] = table
-        seq.block_table = table.block_ids  # the same list, so --trace can show it
-        need = self.blocks_needed(seq)
-        self.num_promised[seq.seq_id] = need - len(table.block_ids)
+        pulled = self._grow(seq, self.table_cls(self.allocator, self.block_size))
+        self.num_promised[seq.seq_id] = self.blocks_needed(seq) - len(pulled)
 
     def can_append(self, seq: Sequence) -> bool:
         """Always: the blocks for decode were promised at admission."""
@@ -64,16 +60,25 @@ class TableManager:
 
     def may_append(self, seq: Sequence) -> None:
         """Grow seq's table by the token this decode step writes (a block only at a boundary)."""
-        table = self.tables[seq.seq_id]
-        new_block_ids = grow_table(table, len(seq))
-        self.num_promised[seq.seq_id] -= len(new_block_ids)
-        seq.block_table = table.block_ids  # a table may replace its list when it grows
+        self.num_promised[seq.seq_id] -= len(self._grow(seq, self.tables[seq.seq_id]))
 
     def deallocate(self, seq: Sequence) -> None:
         """Hand every block and promise back."""
         self.tables.pop(seq.seq_id).free()
         del self.num_promised[seq.seq_id]
         seq.block_table, seq.num_cached_tokens = [], 0
+
+    def _grow(self, seq: Sequence, table) -> list[int]:
+        """Grow table to len(seq) tokens and record it as seq's; returns the ids it pulled.
+
+        This and deallocate are the only writers of seq.block_table: the manager owns the table,
+        the sequence shows it (re-shown each time: a table may replace its list when it grows).
+        An OutOfBlocks leaves everything as it was.
+        """
+        pulled = grow_table(table, len(seq))
+        self.tables[seq.seq_id] = table
+        seq.block_table = table.block_ids
+        return pulled
 
     def check_invariants(self) -> None:
         """Held blocks are distinct, promises non-negative, and the free blocks cover them."""

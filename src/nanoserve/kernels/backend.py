@@ -1,9 +1,10 @@
 """The attention-backend seam: the contract every backend meets, and the one place that picks one.
 
-Introduced when the seams were drawn (before stage 05). A backend stores this step's K/V and
-attends over the cache it was built on; `select_attention_backend` picks one per engine from what
-the stage offers and what the device can run, with the reason, logged once. It builds nothing:
-the stage composition (engine/compositions.py) constructs the backend it names.
+Introduced in stage 04, when a second backend was coming. A backend stores this step's K/V and
+attends over the cache it was built on; every backend lives in this package (torch: attention.py,
+slab_attention.py, slot_attention.py, torch_paged.py; Triton: triton_backend.py).
+`select_attention_backend` picks one per engine from what the stage offers and what the device can
+run, with the reason, logged once. It builds nothing: the stage's recipe constructs the one named.
 """
 
 from __future__ import annotations

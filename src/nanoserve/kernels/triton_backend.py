@@ -1,6 +1,7 @@
 """Stage 06's attention backend: Triton kernels that store K/V by slot and read pages in place.
 
-Introduced in stage 06 (stage 05 uses only its store). Per layer: the store kernel writes this
+Introduced in stage 06; stage 05's backend (`TritonStoreAttention`) is stage 04's torch backend
+with the Triton store kernel. Per layer: the store kernel writes this
 step's K/V into the pool, then a prefill step runs the varlen paged kernel and a decode step the
 split-K paged kernel, both reading each sequence's blocks through its block table; nothing is
 gathered into a contiguous copy. It imports triton, so the engine imports it only when chosen.
@@ -11,6 +12,7 @@ from __future__ import annotations
 from nanoserve.kernels.paged_decode import paged_attention_decode
 from nanoserve.kernels.paged_prefill import paged_attention_prefill
 from nanoserve.kernels.store import store_kvcache
+from nanoserve.kernels.torch_paged import TorchPagedAttention
 from nanoserve.types import AttentionMetadata
 
 
@@ -33,3 +35,12 @@ class TritonPagedAttention:
             return self.prefill(q, k_cache, v_cache, md.cu_seqlens_q, md.context_lens,
                                 md.block_tables, md.max_seqlen_q, scale)  # fmt: skip
         return self.decode(q, k_cache, v_cache, md.context_lens, md.block_tables, scale)
+
+
+class TritonStoreAttention(TorchPagedAttention):
+    """Stage 05: the Triton store kernel writes K/V by slot; torch still gathers and attends."""
+
+    name = "triton"
+
+    def __init__(self, pool, store=store_kvcache):
+        super().__init__(pool, store=store)

@@ -1,10 +1,10 @@
 """Rank 0's side of tensor parallelism: start the workers, hand them each step, notice a death.
 
-Introduced in stage 09. The control channel is one multiprocessing Pipe per worker: each message
-is pickled and sent length-prefixed, so a message of any size goes through (no fixed buffer), and
-the pipe has no name to clash with. The data plane is the process group the layers' collectives
-use. A step that fails on any rank ends the group: the ranks no longer agree on where they are,
-so every worker is stopped, the group is torn down, and the error says which worker and why.
+Introduced in stage 09. The control channel is one pipe per worker (`child_process.py`: each
+message is pickled and sent length-prefixed, so a message of any size goes through, and the pipe
+has no name to clash with). The data plane is the process group the layers' collectives use. A
+step that fails on any rank ends the group: the ranks no longer agree on where they are, so every
+worker is stopped, the group is torn down, and the error says which worker and why.
 
     rank 0 (your process)                         rank 1..K-1 (worker processes)
     scheduler, block manager, sampler
@@ -16,21 +16,21 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import pickle
 import threading
 import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 
+from nanoserve.child_process import ChildDied, ChildProcess, Ready, broadcast, receive_all, stop_all
 from nanoserve.config import EngineConfig
-from nanoserve.engine.assemble import build_engine, require_shardable
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.layers.tensor_parallel import TensorParallel
 from nanoserve.models.loader import load_model_config
 from nanoserve.parallel import process_group
-from nanoserve.parallel.worker import Booted, Ready, WorkerFailed, run_worker
+from nanoserve.parallel.worker import Booted, run_worker
+from nanoserve.recipes.assemble import build_engine, require_shardable
 from nanoserve.types import ModelSpec, StepMessage
 
 logger = logging.getLogger("nanoserve")
@@ -44,15 +44,19 @@ class WorkerDied(RuntimeError):
 class WorkerGroup:
     """Ranks 1..K-1: their processes, their pipes, and whether they are still in step with us."""
 
-    def __init__(self, processes: list[mp.Process], conns: list[Connection], backend: str,
-                 store) -> None:  # fmt: skip
-        self.processes, self.conns, self.backend = processes, conns, backend
+    def __init__(self, workers: list[ChildProcess], backend: str, store) -> None:
+        self.workers, self.backend = workers, backend
         self.store = store  # rank 0's rendezvous server: it lives as long as the group
         self.closed_because: str | None = None  # set once: why the group no longer runs
         self.largest_message_bytes = 0  # the control channel has no size limit; this shows it
         self._lock = threading.Lock()
-        self._finalizer = weakref.finalize(self, stop_processes, processes, conns)
+        self._finalizer = weakref.finalize(self, stop_all, workers)
         threading.Thread(target=self._watch, name="nanoserve-worker-watch", daemon=True).start()
+
+    @property
+    def processes(self) -> list[mp.Process]:
+        """The worker processes, rank 1 first."""
+        return [worker.process for worker in self.workers]
 
     @contextmanager
     def step(self, message: StepMessage) -> Iterator[None]:
@@ -61,10 +65,8 @@ class WorkerGroup:
             raise WorkerDied(f"the tensor-parallel engine is shut down ({self.closed_because}); "
                              "build a new LLM to go on")  # fmt: skip
         try:
-            payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-            self.largest_message_bytes = max(self.largest_message_bytes, len(payload))
-            for conn in self.conns:
-                conn.send_bytes(payload)  # length-prefixed; the worker's recv() unpickles it
+            num_bytes = broadcast(self.workers, message)
+            self.largest_message_bytes = max(self.largest_message_bytes, num_bytes)
             yield
         except BaseException as err:  # a dead peer, a collective error, or Ctrl-C mid-step
             failure = self.describe_failure()
@@ -76,31 +78,16 @@ class WorkerGroup:
 
     def describe_failure(self, grace_s: float = 1.0) -> str | None:
         """Which workers failed and how, if any did (waiting up to grace_s for them to exit)."""
-        deadline, stories = time.monotonic() + grace_s, []
-        for rank, (process, conn) in enumerate(zip(self.processes, self.conns), start=1):
-            process.join(max(0.0, deadline - time.monotonic()))
-            last_word = read_last_word(conn)
-            if isinstance(last_word, WorkerFailed):
-                stories.append(f"tensor-parallel worker {rank} failed:\n{last_word.traceback}")
-            elif process.exitcode is not None:
-                stories.append(f"tensor-parallel worker {rank} (pid {process.pid}) "
-                               f"{exit_story(process)}")  # fmt: skip
-        return "; ".join(stories) or None
+        deadline = time.monotonic() + grace_s
+        stories = [w.failure(max(0.0, deadline - time.monotonic())) for w in self.workers]
+        return "; ".join(story for story in stories if story) or None
 
     def wait_until(self, kind: type, timeout_s: float) -> None:
         """Block until every worker has said `kind` (Booted, Ready); WorkerDied if one dies."""
-        deadline = time.monotonic() + timeout_s
-        for rank, (process, conn) in enumerate(zip(self.processes, self.conns), start=1):
-            while not conn.poll(0.05):
-                if not process.is_alive() or time.monotonic() > deadline:
-                    raise WorkerDied(self.describe_failure(0.5) or
-                                     f"tensor-parallel worker {rank} did not start in "
-                                     f"{timeout_s:.0f} s")  # fmt: skip
-            word = conn.recv()
-            if isinstance(word, WorkerFailed):
-                raise WorkerDied(f"tensor-parallel worker {rank} failed:\n{word.traceback}")
-            if not isinstance(word, kind):
-                raise WorkerDied(f"worker {rank} said {word!r}, expected {kind.__name__}")
+        try:
+            receive_all(self.workers, kind, timeout_s, doing="start")
+        except ChildDied as err:
+            raise WorkerDied(str(err)) from None
 
     def shutdown(self, broken: bool = False, reason: str = "shut down") -> None:
         """Stop every worker (politely unless broken), close the pipes, leave the group (once)."""
@@ -108,58 +95,24 @@ class WorkerGroup:
             if self.closed_because is not None:
                 return
             self.closed_because = reason
-        stop_processes(self.processes, self.conns, polite=not broken)
+        stop_all(self.workers, polite=not broken, timeout_s=0.2 if broken else 5.0)
         self._finalizer.detach()
         process_group.leave(broken)
 
     def _watch(self) -> None:
         """Notice a worker that dies between or inside steps; on NCCL, abort the communicator so
         that rank 0's collective (which would wait for the dead peer forever) raises instead."""
-        sentinels = [p.sentinel for p in self.processes]
+        sentinels = [w.sentinel for w in self.workers]
         while self.closed_because is None:
             if wait(sentinels, timeout=0.5) and self.closed_because is None:
-                dead = [f"{p.name} ({exit_story(p)})" for p in self.processes
-                        if p.exitcode not in (None, 0)]  # 0: asked to stop  # fmt: skip
+                dead = [w.describe_exit() for w in self.workers
+                        if w.process.exitcode not in (None, 0)]  # 0: asked to stop  # fmt: skip
                 if not dead:
                     return
                 logger.error("tensor-parallel worker died: %s", ", ".join(dead))
                 if self.backend == "nccl":
                     process_group.leave(broken=True)
                 return
-
-
-def read_last_word(conn: Connection):
-    """A message a worker left in the pipe before it exited, if any."""
-    try:
-        return conn.recv() if conn.poll(0) else None
-    except (EOFError, OSError):
-        return None
-
-
-def exit_story(process: mp.Process) -> str:
-    """How a process ended, in words: 'was killed by signal 9', 'exited with status 1'."""
-    code = process.exitcode
-    return f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
-
-
-def stop_processes(processes: list[mp.Process], conns: list[Connection], polite=True) -> None:
-    """Ask the workers to stop (polite), then terminate and kill what is left; close the pipes."""
-    for conn in conns:
-        try:
-            if polite:
-                conn.send(None)
-        except OSError:
-            pass
-    for process in processes:
-        process.join(5.0 if polite else 0.2)
-        if process.is_alive():
-            process.terminate()
-            process.join(2.0)
-        if process.is_alive():
-            process.kill()
-            process.join()
-    for conn in conns:
-        conn.close()
 
 
 def start_engine(stage: int, config: EngineConfig, spec: ModelSpec, eos_ids,
@@ -179,7 +132,7 @@ def start_engine(stage: int, config: EngineConfig, spec: ModelSpec, eos_ids,
         rank0 = spec._replace(tp_rank=0, tp_size=size,
                               device=process_group.device_for(spec.device, 0))  # fmt: skip
         process_group.join(store, backend, 0, size, rank0.device)
-        engine = build_engine(stage, config, rank0, eos_ids, components)
+        engine = build_engine(stage, config, rank0, eos_ids, components, workers=group)
         group.wait_until(Ready, STARTUP_TIMEOUT_S)
     except BaseException as err:
         failure = group.describe_failure(1.0)
@@ -187,7 +140,6 @@ def start_engine(stage: int, config: EngineConfig, spec: ModelSpec, eos_ids,
         if failure is None:
             raise
         raise WorkerDied(failure) from err
-    engine.runner.workers = group
     return engine
 
 
@@ -200,22 +152,18 @@ def check_divisible(model_config, size: int) -> None:
 
 
 def spawn_workers(stage, config, spec, components, store, backend: str) -> WorkerGroup:
-    """Start ranks 1..size-1 (spawned: a fresh interpreter, never a fork of a CUDA process)."""
-    context = mp.get_context("spawn")
-    processes, conns = [], []
-    for rank in range(1, config.tensor_parallel_size):
-        ours, theirs = context.Pipe()
-        worker_spec = spec._replace(tp_rank=rank, tp_size=config.tensor_parallel_size,
-                                    device=process_group.device_for(spec.device, rank))  # fmt: skip
-        process = context.Process(target=run_worker, name=f"nanoserve-tp-worker-{rank}",
-                                  args=(rank, store.port, stage, config, worker_spec, components,
-                                        theirs),
-                                  daemon=True)  # fmt: skip
-        process.start()
-        theirs.close()  # ours is now the only handle: the worker sees EOF when we go
-        processes.append(process)
-        conns.append(ours)
-    return WorkerGroup(processes, conns, backend, store)
+    """Start ranks 1..size-1, each a `ChildProcess` running `run_worker` on its shard's spec."""
+    size, workers = config.tensor_parallel_size, []
+    try:
+        for rank in range(1, size):
+            device = process_group.device_for(spec.device, rank)
+            worker_spec = spec._replace(tp_rank=rank, tp_size=size, device=device)
+            args = (rank, store.port, stage, config, worker_spec, components)
+            workers.append(ChildProcess(run_worker, args, name=f"tensor-parallel worker {rank}"))
+    except BaseException:
+        stop_all(workers, polite=False)
+        raise
+    return WorkerGroup(workers, backend, store)
 
 
 def torch_cuda_count() -> int:

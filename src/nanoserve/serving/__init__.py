@@ -2,6 +2,6 @@
 
 Introduced in stage 10. protocol.py (request and response shapes, errors), text.py (token deltas
 to text, stop strings), metrics.py (Prometheus text), server.py (the FastAPI app and uvicorn).
-The loop that steps the engine is `nanoserve.engine.async_engine`; nothing here touches the
+The loop that steps the engine is `nanoserve.serving.async_engine`; nothing here touches the
 engine but through it. FastAPI and uvicorn are the `serve` extra: `pip install 'nanoserve[serve]'`.
 """

@@ -16,6 +16,7 @@ The engine process only swaps the loop's way in (commands from the pipe) and way
 turn's deliveries pickled down the pipe): apply, step and fan out are the thread loop's, word
 for word. The server side is `AsyncEngine`'s `generate` and `deliver` over a pipe instead of a
 queue. If the engine process dies, every waiting request gets an EngineError and /health says so.
+Starting it, the pipe, the handshake and telling how it ended are `child_process.py`'s.
 """
 
 from __future__ import annotations
@@ -23,17 +24,14 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import multiprocessing as mp
 import threading
-import time
-import traceback
 from multiprocessing.connection import Connection
 from typing import NamedTuple
 
-from nanoserve.engine.async_engine import _STOP, AsyncEngine, EngineError
-from nanoserve.engine.request_stream import Add, Delivery, EngineStats, RequestStream
-from nanoserve.parallel.group import exit_story
+from nanoserve.child_process import ChildDied, ChildProcess, Ready, Stop, stop_all
 from nanoserve.sampling import SamplingParams
+from nanoserve.serving.async_engine import _STOP, AsyncEngine, EngineError
+from nanoserve.serving.request_stream import Add, Delivery, EngineStats, RequestStream
 
 logger = logging.getLogger("nanoserve")
 STARTUP_TIMEOUT_S = 900.0  # load the weights, size the pool, capture the graphs
@@ -43,10 +41,6 @@ class RemoteStream(NamedTuple):
     """What stands for a caller's RequestStream in the engine process: its id, nothing else."""
 
     request_id: int
-
-
-class Stop(NamedTuple):
-    """Command: answer every request with "abort", stop the loop and exit."""
 
 
 class EngineCore(AsyncEngine):
@@ -66,17 +60,14 @@ class EngineCore(AsyncEngine):
 
 
 def engine_main(conn: Connection, model: str, llm_options: dict) -> None:
-    """The engine process: build the LLM, say "ready", run the loop until Stop, EOF or failure."""
+    """The engine process: build the LLM, say Ready, run the loop until Stop, EOF or failure
+    (Stop: every request is answered with "abort"; a failure to build is run_child's to send)."""
     from nanoserve.llm import LLM
 
-    try:
-        llm = LLM(model, **llm_options)
-    except BaseException:
-        conn.send(("failed", traceback.format_exc()))
-        raise
+    llm = LLM(model, **llm_options)
     core = EngineCore(llm.engine, conn)
     core.start()
-    conn.send(("ready", EngineStats.of(llm.engine)))
+    conn.send(Ready(EngineStats.of(llm.engine)))
 
     def pump() -> None:  # commands in, in arrival order, until told to stop
         while True:
@@ -124,8 +115,7 @@ class EngineClient:
         self.streams: dict[int, RequestStream] = {}  # request_id -> its caller's stream
         self.stats = EngineStats()
         self.failure: EngineError | None = None
-        self.process = None
-        self._conn: Connection | None = None
+        self.child: ChildProcess | None = None
         self._send_lock = threading.Lock()
         self._request_ids = itertools.count()
         self._reader: threading.Thread | None = None
@@ -137,27 +127,24 @@ class EngineClient:
             raise ValueError("this model has no tokenizer; pass prompts as lists of token ids")
         return chat_prompt(self.tokenizer, conversation)
 
+    @property
+    def process(self):
+        """The engine process (a multiprocessing.Process), once started."""
+        return None if self.child is None else self.child.process
+
     def start(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
-        """Start the engine process and wait until its loop runs; RuntimeError if it fails."""
-        if self.process is not None:
+        """Start the engine process and wait until its loop runs; ChildDied (a RuntimeError)
+        with its traceback or its exit if it fails."""
+        if self.child is not None:
             raise RuntimeError("the engine process is already started")
-        context = mp.get_context("spawn")  # CUDA cannot be forked
-        self._conn, child_end = context.Pipe()
-        self.process = context.Process(target=engine_main, name="nanoserve-engine",
-                                       args=(child_end, self.model, self.llm_options))  # fmt: skip
-        self.process.start()
-        child_end.close()
-        deadline = time.monotonic() + timeout
-        while not self._conn.poll(0.1):
-            if not self.process.is_alive() or time.monotonic() > deadline:
-                self._stop_process(0)
-                raise RuntimeError(f"the engine process did not start (exit code "
-                                   f"{self.process.exitcode})")  # fmt: skip
-        kind, detail = self._conn.recv()
-        if kind != "ready":
-            self._stop_process(30)
-            raise RuntimeError(f"the engine process failed to start:\n{detail}")
-        self.stats = detail
+        # Not a daemon: with tensor_parallel_size > 1 it starts worker processes of its own.
+        self.child = ChildProcess(engine_main, (self.model, self.llm_options),
+                                  name="the engine process", daemon=False)  # fmt: skip
+        try:
+            self.stats = self.child.receive(Ready, timeout, doing="start").info
+        except BaseException:
+            stop_all([self.child], polite=False, timeout_s=1.0)
+            raise
         self._reader = threading.Thread(target=self._read, name="nanoserve-engine-reader",
                                         daemon=True)  # fmt: skip
         self._reader.start()
@@ -184,20 +171,20 @@ class EngineClient:
 
     def abort(self, request_id: int) -> None:
         """Ask the engine process to drop a request (unknown or finished: no-op)."""
-        from nanoserve.engine.request_stream import Abort
+        from nanoserve.serving.request_stream import Abort
 
         with contextlib.suppress(OSError, EngineError):  # a dead engine process aborted it
             self._send(Abort(request_id))
 
     def shutdown(self, timeout: float = 30) -> None:
         """Stop the engine process (in-flight requests end with "abort") and wait for it."""
-        if self.process is None:
+        if self.child is None:
             return
         with contextlib.suppress(OSError, EngineError):
             self._send(Stop())
         if self._reader is not None:
-            self._reader.join(timeout)
-        self._stop_process(timeout)
+            self._reader.join(timeout)  # it reads the aborts, then the end of the pipe
+        stop_all([self.child], polite=False, timeout_s=timeout)  # Stop is sent: make sure
 
     # ---- the reader thread ----
 
@@ -205,16 +192,14 @@ class EngineClient:
         """Route each batch to its streams until the pipe closes; then fail whoever waits."""
         try:
             while True:
-                batch, self.stats = self._conn.recv()
+                batch, self.stats = self.child.receive(tuple)
                 self.deliver([Delivery(stream, item) for stream, item in self._route(batch)])
-        except (EOFError, OSError):
-            pass
-        except BaseException:
+        except ChildDied as err:  # it exited (asked to, or not), failed, or closed its pipe
+            self.failure = EngineError(str(err))
+        except BaseException as err:
             logger.exception("engine process reader: a batch could not be delivered")
-        self.process.join(5)
-        ended = "closed its pipe" if self.process.exitcode is None else exit_story(self.process)
-        self.failure = EngineError(f"the engine process {ended}")
-        if self.process.exitcode != 0:
+            self.failure = EngineError(f"the engine process reader failed: {err!r}")
+        if self.child.process.exitcode != 0:
             logger.error("%s", self.failure)
         waiting = [Delivery(self.streams.pop(i), self.failure) for i in list(self.streams)]
         self.deliver(waiting)
@@ -230,14 +215,7 @@ class EngineClient:
         return routed
 
     def _send(self, command) -> None:
-        if self._conn is None or self._conn.closed:
+        if self.child is None or self.child.conn.closed:
             raise EngineError("the engine process is not running")
         with self._send_lock:
-            self._conn.send(command)
-
-    def _stop_process(self, timeout: float) -> None:
-        self.process.join(timeout)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
-        self._conn.close()
+            self.child.send(command)

@@ -15,9 +15,9 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from nanoserve.engine.async_engine import AsyncEngine, EngineError
 from nanoserve.sampling import SamplingParams
 from nanoserve.serving import protocol
+from nanoserve.serving.async_engine import AsyncEngine, EngineError
 from nanoserve.serving.metrics import Metrics
 from nanoserve.serving.protocol import APIError
 from nanoserve.serving.text import TextStream

@@ -12,7 +12,7 @@ import bisect
 import math
 from collections import Counter
 
-from nanoserve.engine.request_stream import EngineStats
+from nanoserve.serving.request_stream import EngineStats
 
 # seconds; log-spaced from a fast GPU step to a slow CPU prefill
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,

@@ -17,8 +17,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from nanoserve.engine.async_engine import AsyncEngine
 from nanoserve.llm import LLM
+from nanoserve.serving.async_engine import AsyncEngine
 from nanoserve.serving.generation import Generation, response_unless_disconnected
 from nanoserve.serving.metrics import Metrics
 from nanoserve.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest

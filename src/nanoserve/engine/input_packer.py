@@ -1,9 +1,16 @@
-"""prepare_prefill / prepare_decode: a batch of sequences in, one step's `StepInputs` out.
+"""The input packer: a scheduled batch in, one step's `StepInputs` (device tensors) out.
 
-Introduced in stage 04; since the seams were drawn every stage's cache builds its inputs here (one
-packing helper). Reads each sequence's block table (decided earlier by a cache manager) and
-serializes it; decides nothing. Seed trace, block_size 4, prompt A of 11 tokens with table
-[0, 1, 2]: prefill slot_mapping = 0..10; decode at length 12 writes slot 2 * 4 + 3 = 11.
+Introduced in stage 04 (`prepare_prefill` / `prepare_decode`, the learner's verbs); since stage 04
+the model runner owns one `InputPacker` and it is the only code that packs a step, for every
+stage, the tensor-parallel workers and the CUDA graphs. It reads each sequence's tokens, progress
+and block table (decided earlier by a cache manager) and serializes them; it decides nothing.
+Seed trace, block_size 4, prompt A of 11 tokens with table [0, 1, 2]: prefill slot_mapping =
+0..10; decode at length 12 writes slot 2 * 4 + 3 = 11.
+
+    host lists (per sequence)          ->  device tensors (one step, packed on one axis)
+    token_ids[start:end], start, table     input_ids, positions, slot_mapping (T,)
+                                           cu_seqlens_q/k (B + 1,), context_lens (B,)
+                                           block_tables (B, W) padded with -1
 """
 
 from __future__ import annotations
@@ -13,7 +20,15 @@ import itertools
 import numpy as np
 import torch
 
-from nanoserve.types import AttentionMetadata, HostMetadata, Sequence, StepInputs, StepRow
+from nanoserve.types import (
+    AttentionMetadata,
+    HostMetadata,
+    ScheduledBatch,
+    Sequence,
+    StepInputs,
+    StepMessage,
+    StepRow,
+)
 
 
 def slots_for(table: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -158,3 +173,52 @@ def to_device(array: np.ndarray, device) -> torch.Tensor:
     if torch.device(device).type != "cuda":
         return tensor
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def no_table(seq: Sequence) -> list[int]:
+    """Stage 00: nothing is stored, so no sequence has a table (every slot is -1)."""
+    return []
+
+
+def slab_table(seq: Sequence) -> list[int]:
+    """Stages 01-02: a slab is one block of max_model_len tokens, so its table is [slab_id]."""
+    return [seq.slab_id]
+
+
+def block_table(seq: Sequence) -> list[int]:
+    """Stage 03 on: the block ids the cache manager recorded, in logical order."""
+    return seq.block_table
+
+
+class InputPacker:
+    """The model runner's packer: per step, the batch's rows and then their device tensors.
+
+    block_size is how many tokens one table entry covers (a slab: max_model_len; no cache: 1);
+    table_of says where a sequence's K/V lives; from_start feeds every token (stage 00, which
+    stores nothing). prepare_prefill / prepare_decode are stage 04's verbs: a learner's replace
+    them through `components=`.
+    """
+
+    def __init__(self, block_size: int, device, *, table_of=block_table, from_start=False,
+                 prepare_prefill=prepare_prefill, prepare_decode=prepare_decode):  # fmt: skip
+        self.block_size, self.device = block_size, device
+        self.table_of, self.from_start = table_of, from_start
+        self.prepare_prefill, self.prepare_decode = prepare_prefill, prepare_decode
+
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        """The step's inputs: the batch's new tokens (all of them for stage 00) on one axis."""
+        if self.table_of is block_table:  # stage 03 on: the stage-04 verbs, a learner's or ours
+            prepare = self.prepare_prefill if batch.is_prefill else self.prepare_decode
+            return prepare(batch.seqs, self.block_size, self.device)
+        return pack_rows(self.rows(batch).rows, self.block_size, self.device,
+                         is_prefill=batch.is_prefill)  # fmt: skip
+
+    def rows(self, batch: ScheduledBatch) -> StepMessage:
+        """The batch as plain rows: what rank 0 sends each tensor-parallel worker."""
+        rows = [step_row(seq, self.table_of(seq), self.from_start) for seq in batch.seqs]
+        return StepMessage(batch.is_prefill, rows, len(batch.seqs))
+
+    def prepare_rows(self, message: StepMessage) -> StepInputs:
+        """A worker's step: rank 0's rows packed exactly as rank 0 packed them."""
+        return pack_rows(message.rows, self.block_size, self.device,
+                         is_prefill=message.is_prefill)  # fmt: skip

@@ -23,7 +23,8 @@ from collections import defaultdict
 from collections.abc import AsyncIterator
 
 from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.engine.request_stream import (
+from nanoserve.sampling import SamplingParams
+from nanoserve.serving.request_stream import (
     Abort,
     Add,
     Delivery,
@@ -32,7 +33,6 @@ from nanoserve.engine.request_stream import (
     RequestStream,
     TokenDelta,
 )
-from nanoserve.sampling import SamplingParams
 
 logger = logging.getLogger("nanoserve")
 _STOP = object()  # the command that ends the loop thread

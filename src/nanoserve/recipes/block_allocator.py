@@ -1,0 +1,8 @@
+"""Stage 02's engine is stage 01's: the allocator is graded on its own, and stage 03's engine is
+where it is plugged in (as `BlockAllocator`)."""
+
+from __future__ import annotations
+
+from nanoserve.recipes import contiguous_cache
+
+RECIPE = contiguous_cache.RECIPE

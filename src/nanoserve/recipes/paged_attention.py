@@ -1,0 +1,50 @@
+"""Stage 06's engine: stage 05's, with Triton kernels that read K/V straight from the pages.
+
+`kernel_attention` is also the `triton` backend of every later stage (their learners write other
+pieces, so they run these reference kernels).
+"""
+
+from __future__ import annotations
+
+from nanoserve.cache.paged import PagedKVPool
+from nanoserve.config import EngineConfig
+from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.input_packer import InputPacker
+from nanoserve.kernels.backend import AttentionBackend
+from nanoserve.kernels.torch_paged import TorchPagedAttention
+from nanoserve.recipes.paged_pool import build_pool
+from nanoserve.recipes.recipe import EngineParts, Recipe, Sizing
+
+
+def kernel_attention(pool: PagedKVPool, backend: str, parts: dict) -> AttentionBackend:
+    """Triton stores and reads pages in place (prefill and split-K decode); or stage 04's torch
+    path when backend is "torch". Triton is imported only for the triton backend."""
+    if backend == "torch":
+        return TorchPagedAttention(pool)
+    from nanoserve.kernels.paged_decode import paged_attention_decode
+    from nanoserve.kernels.paged_prefill import paged_attention_prefill
+    from nanoserve.kernels.store import store_kvcache
+    from nanoserve.kernels.triton_backend import TritonPagedAttention
+
+    return TritonPagedAttention(
+        pool,
+        parts.get("store_kvcache", store_kvcache),
+        parts.get("paged_attention_prefill", paged_attention_prefill),
+        parts.get("paged_attention_decode", paged_attention_decode),
+    )
+
+
+def build(config: EngineConfig, sizing: Sizing, parts: dict, backend: str) -> EngineParts:
+    """Stage 04's pool and manager, attended by the learner's kernels (or ours)."""
+    pool = build_pool(config, sizing)
+    manager = BlockManager(pool.num_blocks, config.block_size)
+    packer = InputPacker(pool.block_size, sizing.device)
+    return EngineParts(manager, pool, packer, kernel_attention(pool, backend, parts))
+
+
+RECIPE = Recipe(
+    build,
+    parts=("store_kvcache", "paged_attention_prefill", "paged_attention_decode"),
+    backends=("triton", "torch"),
+    parts_run_on="triton",
+)

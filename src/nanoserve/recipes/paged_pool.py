@@ -1,0 +1,38 @@
+"""Stage 04's engine: one paged pool, lazy block growth with preemption, torch store and gather.
+
+Later stages keep this pool and manager and change the pieces around them, so `build_pool` and
+`torch_attention` are shared with them.
+"""
+
+from __future__ import annotations
+
+from nanoserve.cache.paged import PagedKVPool
+from nanoserve.config import EngineConfig
+from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.input_packer import InputPacker, prepare_decode, prepare_prefill
+from nanoserve.kernels.torch_paged import TorchPagedAttention, gather_kv, store_kvcache
+from nanoserve.recipes.recipe import EngineParts, Recipe, Sizing
+
+
+def build_pool(config: EngineConfig, sizing: Sizing) -> PagedKVPool:
+    """The pool: as many blocks as fit the budget (or as config names)."""
+    return PagedKVPool(sizing.num_blocks(config), config.block_size, **sizing.cache_shape())
+
+
+def build(config: EngineConfig, sizing: Sizing, parts: dict, backend: str) -> EngineParts:
+    """The learner's block manager, step packing, store and gather (or ours) over one pool."""
+    pool = build_pool(config, sizing)
+    manager = parts.get("BlockManager", BlockManager)(pool.num_blocks, config.block_size)
+    packer = InputPacker(pool.block_size, sizing.device,
+                         prepare_prefill=parts.get("prepare_prefill", prepare_prefill),
+                         prepare_decode=parts.get("prepare_decode", prepare_decode))  # fmt: skip
+    attention = TorchPagedAttention(
+        pool, parts.get("store_kvcache", store_kvcache), parts.get("gather_kv", gather_kv)
+    )
+    return EngineParts(manager, pool, packer, attention)
+
+
+RECIPE = Recipe(
+    build,
+    parts=("BlockManager", "store_kvcache", "gather_kv", "prepare_prefill", "prepare_decode"),
+)

@@ -1,0 +1,80 @@
+"""The shape of a stage recipe, and what its build function is given and returns.
+
+Introduced with the recipes (between stages 10 and 11). A `Recipe` says how to build a stage's
+parts (`build`), which of them a learner may replace (`parts`, by the API names of the stage's
+starter) and which attention backends it offers; `Sizing` is what `build` knows about the model
+and the memory; `EngineParts` is what it returns. Nothing here builds an engine (assemble.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from nanoserve.cache.budget import kv_bytes_per_token, units_in_budget
+from nanoserve.cache.kv_cache import KVCache
+from nanoserve.config import EngineConfig
+from nanoserve.engine.input_packer import InputPacker
+from nanoserve.engine.kv_manager import KVCacheManager
+from nanoserve.kernels.backend import AttentionBackend
+from nanoserve.models.config import ModelConfig
+
+
+class Sizing(NamedTuple):
+    """What a stage's build function knows about the model and the memory it may fill."""
+
+    model_config: ModelConfig
+    dtype: torch.dtype
+    device: torch.device
+    budget_bytes: Callable[[], int]  # measured only when a pool must be sized from it
+    tp_size: int = 1  # stage 09: each rank stores only its 1/tp_size of the KV heads
+
+    def units(self, tokens_per_unit: int, unit: str) -> int:
+        """How many slabs or blocks of tokens_per_unit tokens fit the KV budget."""
+        per_token = kv_bytes_per_token(self.model_config, self.dtype) // self.tp_size
+        return units_in_budget(self.budget_bytes(), per_token, tokens_per_unit, unit)
+
+    def num_blocks(self, config: EngineConfig) -> int:
+        """KV blocks that fit the budget, unless config names a number."""
+        return config.num_kv_blocks or self.units(config.block_size, "block")
+
+    def cache_shape(self) -> dict[str, Any]:
+        """Layer count, this rank's KV heads, head size, dtype and device, as caches take them."""
+        mc = self.model_config
+        return dict(
+            num_layers=mc.num_hidden_layers,
+            num_kv_heads=mc.num_key_value_heads // self.tp_size,
+            head_dim=mc.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+
+class EngineParts(NamedTuple):
+    """What a recipe builds: the control plane's manager and the data plane around the model."""
+
+    manager: KVCacheManager
+    cache: KVCache
+    packer: InputPacker
+    attention: AttentionBackend
+
+
+# build(config, sizing, parts, backend): parts holds the learner's replacements only (by the
+# recipe's part names; build takes the reference for a name it lacks); backend is the chosen
+# attention backend's name.
+Build = Callable[[EngineConfig, Sizing, dict, str], EngineParts]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How one stage's engine is made, and what of it a learner may replace."""
+
+    build: Build
+    parts: tuple[str, ...] = ()  # the API names components= may replace
+    backends: tuple[str, ...] = ("torch",)  # the attention backends offered, best first
+    parts_run_on: str | None = None  # the one backend that runs the parts (None: every one)
+    captures_decode: bool = False  # stage 08: decode steps replay CUDA graphs (on a GPU)
+    shards_model: bool = False  # stage 09: the model may span tensor_parallel_size processes

@@ -1,0 +1,13 @@
+"""Stage 09's engine: stage 08's, run by tensor_parallel_size processes that each hold a shard.
+
+Its learner writes the sharded layers (graded on their own across real gloo ranks); the
+processes are started by `nanoserve.parallel`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from nanoserve.recipes import cuda_graphs
+
+RECIPE = dataclasses.replace(cuda_graphs.RECIPE, shards_model=True)

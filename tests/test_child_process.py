@@ -1,0 +1,101 @@
+"""The child-process helper: the handshake, a child's last word, how it ended, and a clean stop.
+
+Every test spawns real processes (a fresh interpreter each, so a second or so apiece); the
+targets live at module level because a spawned child imports them by name.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from nanoserve.child_process import (
+    ChildDied,
+    ChildProcess,
+    Ready,
+    Stop,
+    broadcast,
+    receive_all,
+    stop_all,
+)
+
+
+def echo_until_stop(conn, info) -> None:
+    conn.send(Ready(info))
+    while not isinstance(message := conn.recv(), Stop):
+        conn.send(("echo", message))
+
+
+def raise_at_once(conn) -> None:
+    raise ValueError("the model file is not there")
+
+
+def sleep_through_everything(conn) -> None:
+    time.sleep(600)
+
+
+def start_a_grandchild(conn) -> None:
+    grandchild = ChildProcess(sleep_through_everything, (), name="grandchild")
+    conn.send(Ready(grandchild.process.pid))
+    time.sleep(600)
+
+
+def is_running(pid: int) -> bool:
+    """True while pid runs (a zombie nobody has reaped yet counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_child_says_ready_answers_and_exits_cleanly_when_asked_to_stop():
+    child = ChildProcess(echo_until_stop, ("hello",), name="echo child")
+    assert child.receive(Ready, timeout_s=60, doing="start").info == "hello"
+    assert broadcast([child], [1] * 1000) > 1000
+    assert child.receive(tuple, timeout_s=60) == ("echo", [1] * 1000)
+    stop_all([child])
+    assert child.process.exitcode == 0
+
+
+def test_a_child_that_raises_leaves_its_traceback_as_its_last_word():
+    child = ChildProcess(raise_at_once, (), name="worker 3")
+    with pytest.raises(ChildDied, match=r"(?s)worker 3 failed:\n.*ValueError: the model file"):
+        child.receive(Ready, timeout_s=60)
+    stop_all([child], polite=False)
+    assert child.process.exitcode == 1
+
+
+def test_a_killed_child_is_described_by_its_signal_and_a_silent_one_by_its_timeout():
+    child = ChildProcess(sleep_through_everything, (), name="worker 1")
+    with pytest.raises(ChildDied, match="worker 1 did not start in 0 s"):
+        child.receive(Ready, timeout_s=0.1, doing="start")
+    os.kill(child.process.pid, signal.SIGKILL)
+    with pytest.raises(ChildDied, match=r"worker 1 \(pid \d+\) was killed by signal 9"):
+        child.receive(Ready, timeout_s=60)
+    stop_all([child])
+
+
+def test_waiting_on_several_children_notices_a_failure_while_another_is_still_silent():
+    silent = ChildProcess(sleep_through_everything, (), name="worker 1")
+    failing = ChildProcess(raise_at_once, (), name="worker 2")
+    with pytest.raises(ChildDied, match="worker 2 failed"):
+        receive_all([silent, failing], Ready, timeout_s=60)
+    stop_all([silent, failing], timeout_s=0.2)  # the silent one ignores Stop: it is terminated
+    assert silent.process.exitcode == -signal.SIGTERM
+
+
+def test_a_child_exits_when_its_parent_is_killed():
+    parent = ChildProcess(start_a_grandchild, (), name="parent", daemon=False)
+    grandchild_pid = parent.receive(Ready, timeout_s=60).info
+    os.kill(parent.process.pid, signal.SIGKILL)
+    stop_all([parent])
+    deadline = time.monotonic() + 10  # its watch thread notices within moments
+    while is_running(grandchild_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if is_running(grandchild_pid):
+        os.kill(grandchild_pid, signal.SIGKILL)
+        pytest.fail("the grandchild outlived its parent")
