@@ -1,10 +1,11 @@
 """Mutation self-test: each stage's graded file kills every hand-written mutant of the reference.
 
-A mutant (tests/mutants/stage_NN.py) is the reference with one realistic learner bug. Each one is
-written out as a learner file and graded exactly as `pytest stages/NN_slug --impl FILE` grades a
-learner's, stopping at the first failing test (-x); it must fail. The same assembly without the
-edit must pass the unit tasks, so a kill is the bug's doing. `python -m tests.mutants` prints the
-score per stage and which test killed each mutant.
+A mutant (tests/mutants/stage_NN.py) is the reference with one realistic learner bug, named by the
+stage's API names and matched on the syntax tree, so a reformatted or moved reference keeps it
+(tests/test_mutant_edits.py). Each one is written out as a learner file and graded exactly as
+`pytest stages/NN_slug --impl FILE` grades a learner's, stopping at the first failing test (-x);
+it must fail. The same assembly without the edit must pass the unit tasks, so a kill is the bug's
+doing. `python -m tests.mutants` prints the score per stage and which test killed each mutant.
 """
 
 from __future__ import annotations

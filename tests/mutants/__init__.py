@@ -1,10 +1,13 @@
 """Hand-written mutants of the reference: each one realistic learner bug the graded tests must kill.
 
-A mutant is a reference module with one small edit of its source text (`edits`, each `old`
-occurring exactly once in that source). `write_mutant` applies it and appends imports of the
-stage's other API names from the reference, so the result is a learner file that `--impl PATH`
-grades like any other. `tests/test_mutants.py` runs each stage's graded file against each mutant
-and demands a failing test; `python -m tests.mutants` prints the kill score per stage.
+A mutant names what it edits by the stage's learner-API name and an attribute path ("BlockManager.
+can_append", "chain_hash"), or by the name of a helper that an API module defines or imports
+("pack_rows", "load_kv_tile"); never by module path, so the reference's modules may move. Each
+(old, new) of its `edits` is matched on the syntax tree inside that def or class, exactly once, so
+reformatting the reference does not break it (see edits.py). `write_mutant` writes the edited
+module with imports of the stage's other API names from the reference appended: a learner file
+that `--impl PATH` grades like any other. `tests/test_mutants.py` runs each stage's graded file
+against each mutant and demands a failing test; `python -m tests.mutants` prints the kill score.
 
 `grade` runs a graded file exactly as `pytest stages/NN_slug --impl FILE` does (the root
 conftest's --impl, the `nanoserve.check` plugin recording outcomes), only in a fork of a warm
@@ -14,6 +17,8 @@ what keeps fifty-odd graded runs inside CI's budget.
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib.util
 import multiprocessing
 import os
@@ -27,6 +32,7 @@ from nanoserve import check, grading
 from nanoserve.check import TestResult
 from nanoserve.learner_api import learner_api
 from nanoserve.stages import get_stage
+from tests.mutants.edits import EditError, apply_edit, definition_source
 
 # imported once by a fork server, so each graded run starts warm (a second, not ten)
 WARM_MODULES = ["torch", "transformers", "hypothesis", "pytest", "nanoserve.llm", "nanoserve.check"]
@@ -34,36 +40,83 @@ WARM_MODULES = ["torch", "transformers", "hypothesis", "pytest", "nanoserve.llm"
 
 @dataclass(frozen=True)
 class Mutant:
-    """One learner bug: `module`'s source with every (old, new) of `edits` replaced."""
+    """One learner bug: the def or class `target` names, with every (old, new) of `edits` made."""
 
     stage: int
     name: str
     bug: str  # the mistake, as a learner would make it
-    module: str  # dotted name of the reference module it edits
-    edits: tuple[tuple[str, str], ...]
+    target: str  # an API name and attributes ("BlockManager.can_append"), or a helper's name
+    edits: tuple[tuple[str, str], ...]  # (old, new): code inside target, and what replaces it
+    # a helper outside the API's modules: the API name whose file gets the learner's buggy copy
+    host: str | None = None
 
     @property
     def id(self) -> str:
         return f"stage_{self.stage:02d}-{self.name}"
 
+    @property
+    def module(self) -> str:
+        """The reference module the mutant's learner file is made from."""
+        return locate(self.stage, self.host or self.target)[0]
 
+
+@functools.cache
 def reference_source(module: str) -> str:
     """The text of a reference module, found without importing it."""
     return Path(importlib.util.find_spec(module).origin).read_text()
 
 
+def locate(stage: int, target: str) -> tuple[str, list[str]]:
+    """(module, names from its top level to the def or class) of a mutant's target."""
+    head, *attributes = target.split(".")
+    api = learner_api(stage)
+    if head in api:  # the reference object knows its module and its name there
+        return api[head].__module__, [*api[head].__qualname__.split("."), *attributes]
+    homes = {home for obj in api.values() if (home := home_of(head, obj.__module__))}
+    if len(homes) != 1:
+        raise EditError(
+            f"{head!r} is no stage {stage} API name, nor defined or imported by exactly one "
+            f"module of the API (found in {sorted(homes)})"
+        )
+    return homes.pop(), [head, *attributes]
+
+
+def home_of(name: str, module: str) -> str | None:
+    """The module that defines the top-level `name` of `module`: itself, or the one it imports
+    name from (followed through re-exports); None when module has no such name."""
+    for node in ast.parse(reference_source(module)).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            if node.name == name:
+                return module
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            imported = [a.name for a in node.names if a.asname in (None, a.name)]
+            if name in imported:
+                return home_of(name, node.module) or node.module
+    return None
+
+
 def mutated_source(mutant: Mutant) -> str:
-    """The reference module's source with the mutant's edits; each `old` must occur once."""
-    source = reference_source(mutant.module)
+    """The source of the mutant's learner module: its reference module, with the edits made."""
+    module, path = locate(mutant.stage, mutant.target)
+    source = reference_source(module)
     for old, new in mutant.edits:
-        count = source.count(old)
-        if count != 1:
-            raise ValueError(
-                f"mutant {mutant.id}: {old!r} occurs {count} times in {mutant.module}, not once "
-                "(the reference changed: update the mutant)"
+        try:
+            source = apply_edit(source, path, old, new)
+        except EditError as err:
+            raise EditError(
+                f"mutant {mutant.id}: {err} (in {module}; the reference changed: update the mutant)"
+            ) from None
+    if not mutant.host:
+        if module not in {obj.__module__ for obj in learner_api(mutant.stage).values()}:
+            raise EditError(
+                f"mutant {mutant.id}: {mutant.target} is in {module}, which defines no API "
+                "name: say which API name's file gets its copy (host=)"
             )
-        source = source.replace(old, new)
-    return source
+        return source
+    # A learner writes a shared helper in the same file as the kernels; the buggy copy, defined
+    # after the module's import of the helper, is the one its kernels call.
+    helper = definition_source(source, path)
+    return f"{reference_source(mutant.module)}\n\n# the helper, with the bug\n{helper}"
 
 
 def api_footer(stage: int, module: str) -> str:

@@ -1,15 +1,15 @@
-"""Stage 07 mutants: the chained hash and the prefix-caching block manager
-(engine/prefix_block_manager.py), one learner bug each."""
+"""Stage 07 mutants: the chained hash (chain_hash) and the prefix-caching block manager
+(PrefixBlockManager), one learner bug each."""
 
 from __future__ import annotations
 
 from tests.mutants import Mutant
 
-PREFIX = "nanoserve.engine.prefix_block_manager"
+FORGET_FRESH = "for block_id in fresh:\n    self._forget(block_id)"
 
 
-def mutant(name: str, bug: str, *edits: tuple[str, str]) -> Mutant:
-    return Mutant(7, name, bug, PREFIX, edits)
+def mutant(name: str, bug: str, target: str, *edits: tuple[str, str]) -> Mutant:
+    return Mutant(7, name, bug, target, edits)
 
 
 MUTANTS = (
@@ -17,98 +17,112 @@ MUTANTS = (
     mutant(
         "hash_ignores_the_parent", "chain_hash digests the block's tokens only: the same page "
         "after another prefix gets the same key",
-        ("hashlib.blake2b(parent, digest_size=16)", "hashlib.blake2b(b'', digest_size=16)"),
+        "chain_hash", ("hashlib.blake2b(parent, digest_size=16)",
+                       "hashlib.blake2b(b'', digest_size=16)"),
     ),
     mutant(
         "hash_of_digits", "chain_hash glues the token ids' digits into one string: (1, 23) and "
         "(12, 3) collide",
+        "chain_hash",
         ('digest.update(b"".join(t.to_bytes(8, "little", signed=True) for t in token_ids))',
          'digest.update("".join(str(t) for t in token_ids).encode())'),
     ),
     mutant(
         "hash_of_low_16_bits", "chain_hash packs each token id in two bytes, masking larger ids",
-        ('t.to_bytes(8, "little", signed=True) for t in token_ids',
-         '(t & 0xFFFF).to_bytes(2, "little") for t in token_ids'),
+        "chain_hash", ('t.to_bytes(8, "little", signed=True)',
+                       '(t & 0xFFFF).to_bytes(2, "little")'),
     ),
     # ---- finding the cached prefix ----
     mutant(
         "fully_cached_prompt_computes_nothing", "the lookup may reach the block of the last "
         "token: a fully cached prompt is left with nothing to compute and sample from",
-        ("max_blocks = (len(seq) - 1) // self.block_size",
-         "max_blocks = len(seq) // self.block_size"),
+        "PrefixBlockManager.cached_prefix", ("(len(seq) - 1) // self.block_size",
+                                             "len(seq) // self.block_size"),
     ),
     mutant(
         "hit_trusted_on_the_key", "a hit is taken on the key alone: a colliding key serves "
         "another prompt's K/V",
-        ("if entry is None or entry.token_ids != tokens or entry.parent != parent:",
-         "if entry is None:"),
+        "PrefixBlockManager.cached_prefix",
+        ("entry is None or entry.token_ids != tokens or entry.parent != parent", "entry is None"),
     ),
     mutant(
         "hit_checks_tokens_not_the_prefix", "a hit is confirmed by the block's own tokens only: "
         "under a key blind to the parent, a page is served behind another prefix",
-        ("if entry is None or entry.token_ids != tokens or entry.parent != parent:",
-         "if entry is None or entry.token_ids != tokens:"),
+        "PrefixBlockManager.cached_prefix",
+        ("entry is None or entry.token_ids != tokens or entry.parent != parent",
+         "entry is None or entry.token_ids != tokens"),
     ),
     # ---- admission ----
     mutant(
         "reclaimed_hit_counted_as_free", "can_allocate treats a freed cached block like a "
         "shared one: reclaiming it seems to cost no free block",
+        "PrefixBlockManager._admission",
         ("reclaimed = sum(1 for b in hits if self.ref_counts[b] == 0)", "reclaimed = 0"),
     ),
     mutant(
         "shared_hit_not_credited", "can_allocate still asks for a free block for every block, "
         "as stage 04 did, even those a live sequence shares",
-        ("need = blocks_for(len(seq), self.block_size) - len(hits) + reclaimed",
-         "need = blocks_for(len(seq), self.block_size)"),
+        "PrefixBlockManager._admission",
+        ("blocks_for(len(seq), self.block_size) - len(hits) + reclaimed",
+         "blocks_for(len(seq), self.block_size)"),
     ),
     mutant(
         "reclaimed_block_left_on_the_free_list", "allocate reclaims a freed cached block "
         "without taking it off the free list: the next allocation hands it out again",
-        ("                self.allocator.take(block_id)\n", "                pass\n"),
+        "PrefixBlockManager.allocate", ("self.allocator.take(block_id)", "pass"),
     ),
     mutant(
         "hashed_in_allocate", "allocate indexes the prompt's full blocks at once, before the "
         "forward pass has written their K/V",
-        ("        seq.num_cached_tokens = len(hits) * self.block_size\n",
-         "        seq.num_cached_tokens = len(seq)  # index the full blocks right away\n"
-         "        self.hash_blocks(seq)\n"
-         "        seq.num_cached_tokens = len(hits) * self.block_size\n"),
+        "PrefixBlockManager.allocate",
+        ("seq.num_cached_tokens = len(hits) * self.block_size",
+         "seq.num_cached_tokens = len(seq)  # index the full blocks right away\n"
+         "self.hash_blocks(seq)\n"
+         "seq.num_cached_tokens = len(hits) * self.block_size"),
     ),
     # ---- stale entries ----
     mutant(
         "stale_entry_kept_by_allocate", "a block handed out for new content keeps its old "
         "index entry: its old prefix is served from the new K/V",
-        ("        for block_id in fresh:  # handed out for new content: its old entry is stale\n"
-         "            self._forget(block_id)\n", ""),
+        "PrefixBlockManager.allocate", ("self._grow(seq, table)", "super()._grow(seq, table)"),
     ),
     mutant(
         "stale_entry_kept_by_decode_growth", "may_append pulls a block without dropping its old "
-        "index entry",
-        ("        for block_id in fresh:\n            self._forget(block_id)\n", ""),
+        "index entry (only allocate drops them)",
+        "PrefixBlockManager",  # _grow, which may_append calls, and allocate
+        (FORGET_FRESH, ""),
+        ("self._grow(seq, table)", f"fresh = self._grow(seq, table)\n{FORGET_FRESH}"),
     ),
     # ---- hashing ----
     mutant(
         "partial_block_hashed", "hash_blocks indexes the partial last block too, and never "
         "again once a decode fills it",
-        ("seq.num_cached_tokens // bs", "-(-seq.num_cached_tokens // bs)"),
+        "PrefixBlockManager.hash_blocks", ("seq.num_cached_tokens // bs",
+                                           "-(-seq.num_cached_tokens // bs)"),
     ),
     # ---- release ----
     mutant(
         "shared_block_freed", "deallocate frees every block of the sequence, even one another "
         "sequence still holds",
-        ("            if self.ref_counts[block_id] == 0:\n                freed.append(block_id)\n",
-         "            freed.append(block_id)\n"),
+        "PrefixBlockManager.deallocate",
+        ("[b for b in reversed(block_ids) if self.ref_counts[b] == 0]",
+         "list(reversed(block_ids))"),
     ),
     mutant(
         "shared_count_not_dropped", "deallocate zeroes the counts of the blocks it held alone "
         "but leaves a shared block's count as it was (preemption leaks it)",
-        ("            self.ref_counts[block_id] -= 1\n",
-         "            if self.ref_counts[block_id] == 1:\n"
-         "                self.ref_counts[block_id] = 0\n"),
+        "PrefixBlockManager.deallocate",  # its own release, in place of stage 04's _release
+        ("block_ids = self._release(seq)",
+         "block_ids = self.tables.pop(seq.seq_id).release()\n"
+         "for block_id in block_ids:\n"
+         "    if self.ref_counts[block_id] == 1:\n"
+         "        self.ref_counts[block_id] = 0\n"
+         "seq.block_table = []\n"
+         "seq.num_cached_tokens = 0"),
     ),
     mutant(
         "released_in_table_order", "deallocate walks the table first block first, as stage 04 "
         "did, not last block first as the seed's release does",
-        ("for block_id in reversed(block_ids):", "for block_id in block_ids:"),
+        "PrefixBlockManager.deallocate", ("reversed(block_ids)", "block_ids"),
     ),
 )  # fmt: skip

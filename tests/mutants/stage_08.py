@@ -1,28 +1,26 @@
-"""Stage 08 mutants: the buckets and the static-buffer copy (engine/cuda_graphs.py) and the padding
-of a decode step (engine/input_packer.py's pad_decode), one learner bug each."""
+"""Stage 08 mutants: the buckets (graph_buckets, bucket_for), the static-buffer copy
+(fill_static) and the padding of a decode step (pad_decode), one learner bug each."""
 
 from __future__ import annotations
 
 from tests.mutants import Mutant
 
-GRAPHS = "nanoserve.engine.cuda_graphs"
-STEP = "nanoserve.engine.input_packer"
-
-BUCKETS = (
-    "    buckets = [b for b in (1, 2, 4, 8) if b < max_num_seqs]\n"
-    "    buckets += list(range(16, max_num_seqs, 16))\n"
-    "    return [*buckets, max_num_seqs]\n"
-)
-COPIES = (
-    '    for name in ("input_ids", "positions"):\n'
-    "        getattr(target, name).copy_(getattr(step, name))\n"
-    '    for name in ("cu_seqlens_k", "slot_mapping", "context_lens", "block_tables"):\n'
-    "        getattr(target.metadata, name).copy_(getattr(step.metadata, name))\n"
-)
+BUCKETS = """
+buckets = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
+buckets += list(range(16, max_num_seqs, 16))
+return [*buckets, max_num_seqs]
+"""
+COPIES = """
+for name in ("input_ids", "positions"):
+    getattr(target, name).copy_(getattr(step, name))
+for name in ("cu_seqlens_k", "slot_mapping", "context_lens", "block_tables"):
+    getattr(target.metadata, name).copy_(getattr(step.metadata, name))
+"""
+SMALLEST = "next((b for b in buckets if b >= batch_size), None)"
 
 
-def mutant(name: str, bug: str, module: str, *edits: tuple[str, str]) -> Mutant:
-    return Mutant(8, name, bug, module, edits)
+def mutant(name: str, bug: str, target: str, *edits: tuple[str, str]) -> Mutant:
+    return Mutant(8, name, bug, target, edits)
 
 
 MUTANTS = (
@@ -30,80 +28,76 @@ MUTANTS = (
     mutant(
         "buckets_nano_vllm_list", "nano-vLLM's list, [1, 2, 4, 8] + range(16, max + 1, 16): no "
         "bucket for a max_num_seqs off the 16-grid, and buckets above a small one",
-        GRAPHS, (BUCKETS, "    return [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 16))\n"),
+        "graph_buckets", (BUCKETS, "return [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 16))"),
     ),
     mutant(
         "buckets_start_at_16", "no buckets below 16: a batch of 1 replays a graph of 16 rows",
-        GRAPHS, ("    buckets = [b for b in (1, 2, 4, 8) if b < max_num_seqs]\n",
-                 "    buckets = []\n"),
+        "graph_buckets", ("[b for b in (1, 2, 4, 8) if b < max_num_seqs]", "[]"),
     ),
     mutant(
         "buckets_repeat_max", "range(16, max_num_seqs + 1, 16), then max_num_seqs again: a "
         "multiple of 16 is captured twice",
-        GRAPHS, ("list(range(16, max_num_seqs, 16))", "list(range(16, max_num_seqs + 1, 16))"),
+        "graph_buckets", ("range(16, max_num_seqs, 16)", "range(16, max_num_seqs + 1, 16)"),
     ),
     mutant(
         "buckets_double_past_8", "powers of two all the way (16, 32, 64, 128), not steps of 16",
-        GRAPHS, ("list(range(16, max_num_seqs, 16))",
-                 "[2**k for k in range(4, 16) if 2**k < max_num_seqs]"),
+        "graph_buckets", ("list(range(16, max_num_seqs, 16))",
+                          "[2**k for k in range(4, 16) if 2**k < max_num_seqs]"),
     ),
     mutant(
         "bucket_for_largest", "bucket_for takes the largest bucket that holds the batch",
-        GRAPHS, ("return next((b for b in buckets if b >= batch_size), None)",
-                 "return max((b for b in buckets if b >= batch_size), default=None)"),
+        "bucket_for", (SMALLEST, "max((b for b in buckets if b >= batch_size), default=None)"),
     ),
     mutant(
         "bucket_for_strict", "bucket_for wants a bucket larger than the batch (> for >=)",
-        GRAPHS, ("if b >= batch_size), None)", "if b > batch_size), None)"),
+        "bucket_for", ("b >= batch_size", "b > batch_size"),
     ),
     mutant(
         "bucket_for_clamps", "a batch above the largest bucket gets the largest, not None",
-        GRAPHS, ("if b >= batch_size), None)", "if b >= batch_size), buckets[-1])"),
+        "bucket_for", (SMALLEST, SMALLEST.replace("None)", "buckets[-1])")),
     ),
     # ---- the copy into the static buffers ----
     mutant(
         "fill_static_rebinds", "fill_static rebinds the name to the step's tensors: the buffers "
         "a graph reads keep their old values",
-        GRAPHS, (COPIES, "    static = step  # noqa: F841\n"),
+        "fill_static", (COPIES, "static = step  # noqa: F841"),
     ),
     mutant(
         "fill_static_into_a_clone", "fill_static copies the metadata into clones of the views",
-        GRAPHS, ("getattr(target.metadata, name).copy_(",
-                 "getattr(target.metadata, name).clone().copy_("),
+        "fill_static", ("getattr(target.metadata, name)", "getattr(target.metadata, name).clone()"),
     ),
     mutant(
         "fill_static_forgets_positions", "fill_static copies the tokens but not their positions",
-        GRAPHS, ('for name in ("input_ids", "positions"):', 'for name in ("input_ids",):'),
+        "fill_static", ('("input_ids", "positions")', '("input_ids",)'),
     ),
     # ---- padding a decode step ----
     mutant(
         "pad_slots_with_0", "padding rows write to slot 0 (a real sequence's) instead of -1",
-        STEP, ("slot_mapping=grow(md.slot_mapping, -1, batch_size)",
-               "slot_mapping=grow(md.slot_mapping, 0, batch_size)"),
+        "pad_decode", ("grow(md.slot_mapping, -1, batch_size)",
+                       "grow(md.slot_mapping, 0, batch_size)"),
     ),
     mutant(
         "pad_context_1", "padding rows get context length 1, so attention reads a slot",
-        STEP, ("context_lens=grow(md.context_lens, 0, batch_size)",
-               "context_lens=grow(md.context_lens, 1, batch_size)"),
+        "pad_decode", ("grow(md.context_lens, 0, batch_size)",
+                       "grow(md.context_lens, 1, batch_size)"),
     ),
     mutant(
         "pad_tables_keep_their_width", "block tables get the padding rows but not the static width",
-        STEP, ("grow(md.block_tables, -1, batch_size, table_width)",
-               "grow(md.block_tables, -1, batch_size, step_width(step))"),
+        "pad_decode", ("grow(md.block_tables, -1, batch_size, table_width)",
+                       "grow(md.block_tables, -1, batch_size, step_width(step))"),
     ),
     mutant(
         "pad_cu_seqlens_k_with_0", "cu_seqlens_k's padding falls back to 0 instead of the total",
-        STEP, ("grow(md.cu_seqlens_k, sum(md.host.context_lens), batch_size + 1)",
-               "grow(md.cu_seqlens_k, 0, batch_size + 1)"),
+        "pad_decode", ("grow(md.cu_seqlens_k, sum(md.host.context_lens), batch_size + 1)",
+                       "grow(md.cu_seqlens_k, 0, batch_size + 1)"),
     ),
     mutant(
         "pad_keeps_cu_seqlens_q", "cu_seqlens_q is not grown: the padding rows own no query",
-        STEP, ("cu_seqlens_q=torch.arange(batch_size + 1, dtype=torch.int32, "
-               "device=md.cu_seqlens_q.device),", "cu_seqlens_q=md.cu_seqlens_q,"),
+        "pad_decode", ("torch.arange(batch_size + 1, dtype=torch.int32, "
+                       "device=md.cu_seqlens_q.device)", "md.cu_seqlens_q"),
     ),
     mutant(
         "pad_without_the_size_check", "pad_decode never refuses a step larger than the bucket",
-        STEP, ("    if batch_size < num_seqs or table_width < step_width(step):",
-               "    if False:"),
+        "pad_decode", ("batch_size < num_seqs or table_width < step_width(step)", "False"),
     ),
 )  # fmt: skip
