@@ -119,7 +119,7 @@ def run_nanoserve(spec, model, stage: int, config: EngineConfig, workload: Workl
     from nanoserve.engine.assemble import build_engine
     from nanoserve.engine.compositions import COMPOSITIONS
     from nanoserve.layers.compiled import unfuse_small_ops
-    from nanoserve.parallel.group import start_engine
+    from nanoserve.parallel.group import WorkerGroup, start_engine
     from nanoserve.sampling import SamplingParams
 
     device = spec.device
@@ -142,7 +142,7 @@ def run_nanoserve(spec, model, stage: int, config: EngineConfig, workload: Workl
     output_tokens = sum(seq.num_completion_tokens for seq in seqs)
     ranks = f", tp {config.tensor_parallel_size}" if shards else ""
     name = f"nanoserve stage {stage} ({engine.attention.name}{ranks})"
-    if shards:
+    if isinstance(engine.runner.workers, WorkerGroup):  # tensor parallel: stop the workers
         engine.runner.workers.shutdown()
     unfuse_small_ops(model)  # stage 08 fused the shared model's small ops: the next stage must not
     del engine, seqs
@@ -195,8 +195,9 @@ def write_json(path: str, header: list[str], args, stages: list[int], results: l
 def bench_workload(args, vocab_size: int | None) -> Workload:
     """The workload the options describe, ids folded into the vocabulary when it is known."""
     workload = make_workload(args.num_seqs, args.max_input_len, args.max_output_len)
-    if args.first is not None:  # e.g. the first 64 of the full 256, like DESIGN's HF anchor
-        workload = Workload(*(column[: args.first] for column in workload))
+    if args.first is not None:  # e.g. the first 64 of the full 256: docs/benchmarks.md's HF anchor
+        first = args.first
+        workload = Workload(workload.prompt_token_ids[:first], workload.max_tokens[:first])
     if args.shared_prefix is not None:
         workload = with_shared_prefix(workload, args.shared_prefix)
     return workload if vocab_size is None else workload.fold_ids(vocab_size)
@@ -249,7 +250,8 @@ def run_serve_bench(args, stages: list[int]) -> int:
     results.append(serve.served_result(timings, seconds, args))
     lines = format_table(results) + serve.latency_lines(timings)
     if len(results) == 2:
-        lines.append(serve.overhead_line(*results, args.request_rate))
+        offline, served = results
+        lines.append(serve.overhead_line(offline, served, args.request_rate))
     print("\n".join(lines))
     if args.json:
         write_json(args.json, header + lines[len(results) + 1 :], args, stages, results)
