@@ -195,7 +195,7 @@ def write_json(path: str, header: list[str], args, stages: list[int], results: l
 def bench_workload(args, vocab_size: int | None) -> Workload:
     """The workload the options describe, ids folded into the vocabulary when it is known."""
     workload = make_workload(args.num_seqs, args.max_input_len, args.max_output_len)
-    if args.first is not None:  # e.g. the first 64 of the full 256: docs/benchmarks.md's HF anchor
+    if args.first is not None:  # e.g. the first 64 of 256: docs/benchmarks.md's GPU run
         first = args.first
         workload = Workload(workload.prompt_token_ids[:first], workload.max_tokens[:first])
     if args.shared_prefix is not None:
