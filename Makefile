@@ -30,7 +30,7 @@ demo: $(VENV)/.run-deps
 
 test: $(VENV)/.dev-deps lint docs pytest
 
-# Under a minute on 2 cores; `make test` (CI) still runs everything.
+# About 40 s on 2 cores (the README); `make test` (CI) still runs everything.
 check: $(VENV)/.dev-deps
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

@@ -4,7 +4,7 @@
 subprocesses) picks what `stages/NN_slug/test_NN_slug.py` grades: ref, starter, a .py path or a
 dotted module. Tests marked `gpu` skip with a reason when no CUDA device is visible; without one,
 TRITON_INTERPRET=1 is set too, so the Triton kernels of stages 05-06 run through the interpreter.
-Tests marked `slow` are left out of `make check` (`-m "not slow"`); SLOW_TESTS marks whole files.
+Tests marked `slow` are left out of `make check` (`-m "not slow"`); SLOW_TESTS marks them by file.
 """
 
 from __future__ import annotations
