@@ -1,4 +1,5 @@
 # The README's two commands: `make demo` and `make test`. Both build .venv on first use.
+# `make check` is the quick tier for contributors: ruff and the tests not marked slow.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -7,7 +8,7 @@ QUESTION ?= What is the capital of France? Answer in one sentence.
 export TRITON_INTERPRET := 1
 export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: demo test lint docs pytest notebooks bench clean
+.PHONY: demo test check lint docs pytest bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,28 +28,27 @@ $(VENV)/.dev-deps: $(VENV)/.run-deps
 demo: $(VENV)/.run-deps
 	$(BIN)/nanoserve generate "$(QUESTION)"
 
-test: $(VENV)/.dev-deps lint docs pytest notebooks
+test: $(VENV)/.dev-deps lint docs pytest
+
+# About 40 s on 2 cores (the README); `make test` (CI) still runs everything.
+check: $(VENV)/.dev-deps
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	OMP_NUM_THREADS=1 $(BIN)/pytest -n 2 -q -m "not slow"
 
 lint: $(VENV)/.dev-deps
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports --no-cache
-	$(BIN)/python tools/import_cycles.py
+	$(BIN)/mypy
 
-# The build also executes the notebooks (mkdocs-jupyter) to show their figures on the site.
+# The build also executes the notebooks (mkdocs-jupyter), once, to show their figures on the site:
+# a cell that raises fails it, so this is where CI runs them.
 docs: $(VENV)/.dev-deps
 	$(BIN)/mkdocs build --strict -q -d $(VENV)/site
 
 pytest: $(VENV)/.dev-deps
 	OMP_NUM_THREADS=1 $(BIN)/pytest -n 2 -q
-
-# Notebooks live in git as jupytext percent scripts; nbmake executes them as notebooks.
-notebooks: $(VENV)/.dev-deps
-	rm -rf $(VENV)/notebooks && mkdir -p $(VENV)/notebooks
-	for nb in notebooks/*.py; do \
-		$(BIN)/jupytext -q --to ipynb "$$nb" -o "$(VENV)/notebooks/$$(basename $$nb .py).ipynb" || exit 1; \
-	done
-	$(BIN)/pytest -q -p no:cacheprovider --nbmake $(VENV)/notebooks/*.ipynb
 
 # The CPU comparison in docs/benchmarks.md: stages 01 and 04 and transformers, one run.
 BENCH_ARGS ?= --num-seqs 16 --max-input-len 256 --max-output-len 64 --stage 1,4 --compare hf
@@ -56,4 +56,4 @@ bench: $(VENV)/.dev-deps
 	$(BIN)/nanoserve bench $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) site .pytest_cache .ruff_cache
+	rm -rf $(VENV) site .pytest_cache .ruff_cache .mypy_cache

@@ -1,9 +1,10 @@
-"""Repo-wide pytest wiring: the --impl option that graded stage tests read, and the gpu marker.
+"""Repo-wide pytest wiring: the --impl option that graded stage tests read, and the markers.
 
 `--impl` (or the NANOSERVE_IMPL environment variable, which reaches xdist workers and
 subprocesses) picks what `stages/NN_slug/test_NN_slug.py` grades: ref, starter, a .py path or a
 dotted module. Tests marked `gpu` skip with a reason when no CUDA device is visible; without one,
 TRITON_INTERPRET=1 is set too, so the Triton kernels of stages 05-06 run through the interpreter.
+Tests marked `slow` are left out of `make check` (`-m "not slow"`); SLOW_TESTS marks them by file.
 """
 
 from __future__ import annotations
@@ -28,6 +29,20 @@ SHARED_FIXTURES_ENV = "NANOSERVE_TEST_FIXTURES"  # see tiny_llama_folder
 _IMPL_KEY = pytest.StashKey[str]()  # the resolved --impl, set once per session
 _LOADED: dict[tuple[int, str], object] = {}  # (stage number, impl) -> its API namespace
 
+# Marked `slow` here, by node id prefix (a file, or one test of it), besides the tests marked in
+# their own files: what takes seconds a test, or minutes a file, on a 2-core CPU.
+SLOW_TESTS = (
+    "tests/test_mutants.py",  # 140+ learner-bug mutants, each graded in a pytest run of its own
+    "tests/test_harness.py",  # every stage's graded tests, on the reference and on the starter
+    "tests/test_tensor_parallel.py",  # worker processes, started and killed
+    "tests/test_serving.py",  # real servers, engine processes and client processes
+    "tests/test_equivalence.py",  # the proof chain: every stage's engine, end to end
+    "tests/test_hf_parity.py",  # nanoserve and transformers generate side by side
+    "stages/06_paged_attention/test_06_paged_attention.py::test_task_5_",  # engine, interpreted
+    "stages/09_tensor_parallel/",  # two- and four-rank process groups
+    "tests/test_docs.py::test_every_python_block_of_the_page_runs[stages/09_tensor_parallel/",
+)
+
 
 def pytest_addoption(parser):
     parser.addoption(
@@ -50,6 +65,9 @@ def pytest_report_header(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.startswith(SLOW_TESTS):
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     needs_gpu = pytest.mark.skip(reason="needs a CUDA GPU (none is visible here)")

@@ -328,6 +328,7 @@ def stored(reader: gguf.GGUFReader, name: str, rows: int | None = None) -> np.nd
 
 
 @needs_smollm2
+@pytest.mark.slow
 def test_smollm2_tensors_of_each_type_match_reference(smollm2_reader):
     first_of_type = {}
     for tensor in smollm2_reader.tensors:

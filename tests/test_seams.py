@@ -1,10 +1,9 @@
 """The seams stages 05-09 plug into: checked compositions, the three contracts, the backend
-selector, padded decode inputs, the stage-07 block-ownership verbs, and one import direction."""
+selector, padded decode inputs and the stage-07 block-ownership verbs."""
 
 import functools
 import logging
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -236,19 +235,6 @@ def test_a_prefix_caching_manager_hears_about_every_computed_token(tiny_checkpoi
     llm = tiny_llm(folder, 4, block_size=4, components={"BlockManager": Listening})
     llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert [(cached, length) for _, cached, length in heard] == [(5, 5), (6, 6), (7, 7)]
-
-
-# ---- one import direction ----
-
-
-def test_there_is_no_import_cycle_anywhere_in_the_package():
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        from import_cycles import import_cycles, import_edges
-    finally:
-        sys.path.pop(0)
-    for depth in (None, 2):
-        assert import_cycles(import_edges("nanoserve", depth)) == []
 
 
 def test_a_block_table_that_replaces_its_list_on_growth_never_leaves_a_stale_one(

@@ -122,8 +122,10 @@ class ChildProcess:
             return None
 
 
-def exit_story(exitcode: int) -> str:
+def exit_story(exitcode: int | None) -> str:
     """How a process ended, in words: 'was killed by signal 9', 'exited with status 1'."""
+    if exitcode is None:
+        return "is still running"
     return f"was killed by signal {-exitcode}" if exitcode < 0 else f"exited with status {exitcode}"
 
 

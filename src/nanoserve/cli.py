@@ -177,7 +177,8 @@ def cmd_serve(args) -> int:
 
         llm = EngineClient(args.model, stage=args.stage, device=args.device, dtype=args.dtype,
                            **engine_options(args))  # fmt: skip
-        app = create_app(llm, name, args.api_key, args.max_body_bytes, loop=llm)
+        # EngineClient stands in for both the LLM and its AsyncEngine (duck-typed, no Protocol)
+        app = create_app(llm, name, args.api_key, args.max_body_bytes, loop=llm)  # type: ignore[arg-type]
     where = "this process" if args.engine_in_process else "its own process"
     print(f"nanoserve serve: {args.model}, stage {llm.stage.number} (engine loop in {where}), "
           f"http://{args.host}:{args.port}/v1", flush=True)  # fmt: skip

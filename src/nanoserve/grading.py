@@ -141,6 +141,8 @@ def _module_from_file(path: Path) -> types.ModuleType:
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImplementationError(f"--impl {path}: not a Python source file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # before exec: dataclasses and pickling look the module up
     try:

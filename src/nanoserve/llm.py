@@ -22,6 +22,7 @@ from nanoserve.recipes.assemble import build_engine
 from nanoserve.sampling import SamplingParams
 from nanoserve.stages import latest_stage, require_implemented
 from nanoserve.types import ModelSpec
+from nanoserve.types import Sequence as Seq
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32,
           "bfloat16": torch.bfloat16, "float16": torch.float16}  # fmt: skip
@@ -129,7 +130,7 @@ class LLM:
                 self.engine.check_request(ids, p)
             except ValueError as err:
                 raise ValueError(f"prompts[{i}]: {err}") from None
-        seqs = []
+        seqs: list[Seq] = []
         try:  # the call owns its requests: however it ends, none is left queued or holding memory
             seqs.extend(self.engine.add_request(ids, p) for ids, p in zip(prompt_ids, params))
             bar = tqdm(total=len(seqs), desc="generate", disable=not use_tqdm or len(seqs) < 2)
@@ -172,7 +173,8 @@ class LLM:
             prompts = [prompts]
         if not isinstance(prompts, Sequence) or len(prompts) == 0:
             raise ValueError("prompts must be a string, a list of strings or a list of id lists")
-        texts, ids = [], []
+        texts: list[str | None] = []
+        ids: list[list[int]] = []
         for i, prompt in enumerate(prompts):
             if isinstance(prompt, str):
                 self._need_tokenizer()

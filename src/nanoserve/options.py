@@ -8,6 +8,7 @@ argparse types of the other commands' number flags live here too.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import fields
 
 from nanoserve.config import EngineConfig
@@ -40,7 +41,13 @@ def positive_float(text: str) -> float:
 
 
 # field annotation -> the flag's type
-FLAG_TYPES = {"int": int, "int | None": int, "float": float, "str": str, "bool": flag_bool}
+FLAG_TYPES: dict[str, Callable[[str], object]] = {
+    "int": int,
+    "int | None": int,
+    "float": float,
+    "str": str,
+    "bool": flag_bool,
+}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -9,6 +9,7 @@ time.
 from __future__ import annotations
 
 import random
+import threading
 from pathlib import Path
 
 import torch
@@ -24,7 +25,7 @@ TINY_SHAPE = dict(
 )
 TINY_FAMILIES = ("llama", "qwen2", "qwen3")
 # per family: (config class, model class, what differs from TINY_SHAPE)
-_FAMILY_EXTRAS = {
+_FAMILY_EXTRAS: dict[str, tuple[str, str, dict[str, object]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": False}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),  # head_dim != hidden / heads
@@ -108,7 +109,8 @@ def greedy_token_ids(folder: str, stage: int, requests, **engine_options) -> lis
     from nanoserve.llm import LLM
 
     llm = LLM(folder, stage=stage, device="cpu", dtype="float64", **engine_options)
-    return [out.token_ids for out in llm.generate(*requests, use_tqdm=False)]
+    prompts, params = requests
+    return [out.token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
 
 
 @torch.inference_mode()
@@ -160,13 +162,11 @@ class ServerThread:
                                      timeout_graceful_shutdown=5)  # fmt: skip
         self.server = uvicorn.Server(self.config)
         self.timeout = timeout
-        self.thread = None
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn-test", daemon=True)
 
     def __enter__(self) -> str:
-        import threading
         import time
 
-        self.thread = threading.Thread(target=self.server.run, name="uvicorn-test", daemon=True)
         self.thread.start()
         deadline = time.monotonic() + self.timeout
         while not self.server.started:

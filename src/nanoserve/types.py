@@ -1,9 +1,9 @@
 """The plain data every layer shares: a request (`Sequence`), a step's batch, and its inputs.
 
 Introduced in stage 00 (`Sequence`, `ScheduledBatch`); `AttentionMetadata` and `StepInputs` in
-stage 04, used by every stage since the seams were drawn. Nothing here decides anything: the
-scheduler and the cache managers (engine/) fill these in, the caches (cache/) and the attention
-backends (kernels/) read them. It sits at the bottom of the import order, so anyone may use it.
+stage 04, and every stage fills them in since. Nothing here decides anything: the scheduler and
+the cache managers (engine/) fill in a `Sequence`, the model runner's input packer builds the
+`StepInputs`, the attention backends (kernels/) read them. It sits at the bottom of the import order, so anyone may use it.
 """
 
 from __future__ import annotations

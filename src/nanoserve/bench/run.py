@@ -193,8 +193,9 @@ def write_json(path: str, header: list[str], args, stages: list[int], results: l
 def bench_workload(args, vocab_size: int | None) -> Workload:
     """The workload the options describe, ids folded into the vocabulary when it is known."""
     workload = make_workload(args.num_seqs, args.max_input_len, args.max_output_len)
-    if args.first is not None:  # e.g. the first 64 of the full 256, like DESIGN's HF anchor
-        workload = Workload(*(column[: args.first] for column in workload))
+    if args.first is not None:  # e.g. the first 64 of 256: docs/benchmarks.md's GPU run
+        first = args.first
+        workload = Workload(workload.prompt_token_ids[:first], workload.max_tokens[:first])
     if args.shared_prefix is not None:
         workload = with_shared_prefix(workload, args.shared_prefix)
     return workload if vocab_size is None else workload.fold_ids(vocab_size)
@@ -247,7 +248,8 @@ def run_serve_bench(args, stages: list[int]) -> int:
     results.append(serve.served_result(timings, seconds, args))
     lines = format_table(results) + serve.latency_lines(timings)
     if len(results) == 2:
-        lines.append(serve.overhead_line(*results, args.request_rate))
+        offline, served = results
+        lines.append(serve.overhead_line(offline, served, args.request_rate))
     print("\n".join(lines))
     if args.json:
         write_json(args.json, header + lines[len(results) + 1 :], args, stages, results)

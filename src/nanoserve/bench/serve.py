@@ -105,7 +105,7 @@ class ServerProcess:
     def __init__(self, command: list[str], port: int):
         self.command, self.url = command, f"http://127.0.0.1:{port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="nanoserve-serve-")  # noqa: SIM115
-        self.process = None
+        self.process: subprocess.Popen | None = None  # started by __enter__
 
     def __enter__(self) -> str:
         import httpx
@@ -127,7 +127,7 @@ class ServerProcess:
         raise RuntimeError(f"nanoserve serve was not ready in {STARTUP_TIMEOUT} s")
 
     def __exit__(self, *exc) -> None:
-        if self.process.poll() is None:
+        if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGINT)  # uvicorn's graceful shutdown
             try:
                 self.process.wait(30)

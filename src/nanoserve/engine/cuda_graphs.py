@@ -127,6 +127,8 @@ class DecodeGraphs:
         """Hidden states (num_seqs, hidden) of an unpadded decode step, by graph replay."""
         num_seqs = step.metadata.num_seqs
         bucket = bucket_for(num_seqs, self.buckets)
+        if bucket is None:
+            raise ValueError(f"no captured bucket holds {num_seqs} sequences; ask can_replay first")
         fill_static(self.static, pad_decode(step, bucket, self.width))  # padding rows included
         self.graphs[bucket].replay()
         return self.outputs[bucket][:num_seqs]

@@ -63,7 +63,10 @@ def pack_rows(rows: list[StepRow], block_size: int, device, *, is_prefill: bool)
     A tensor-parallel worker packs the rows rank 0 sent it here, so every rank builds the same
     inputs from the same code.
     """
-    input_ids, positions, slot_mapping, context_lens = [], [], [], []
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slot_mapping: list[int] = []
+    context_lens: list[int] = []
     cu_seqlens_q, cu_seqlens_k = [0], [0]
     for token_ids, start, table in rows:
         end = start + len(token_ids)
@@ -182,7 +185,7 @@ def no_table(seq: Sequence) -> list[int]:
 
 def slab_table(seq: Sequence) -> list[int]:
     """Stages 01-02: a slab is one block of max_model_len tokens, so its table is [slab_id]."""
-    return [seq.slab_id]
+    return [] if seq.slab_id is None else [seq.slab_id]
 
 
 def block_table(seq: Sequence) -> list[int]:

@@ -1,10 +1,10 @@
 """The cache-manager seam: the contract every stage's memory bookkeeping meets, and its helpers.
 
-Introduced when the seams were drawn (before stage 05). A manager decides whether a sequence
+Introduced in stage 01, when a second manager arrived. A manager decides whether a sequence
 fits and records where its K/V lives (`seq.slab_id` or `seq.block_table`); it owns no tensors.
 Stage 01 slabs, stage 03 tables, stage 04 blocks and stage 07 prefix blocks implement it; the
-scheduler only asks it. Also here: stage 00's manager (nothing to manage) and the block
-arithmetic the table and block managers share.
+scheduler only asks it. Also here: `Admission` (stage 07's answer to can_allocate), stage 00's
+manager (nothing to manage) and the block arithmetic the table and block managers share.
 """
 
 from __future__ import annotations

@@ -74,6 +74,7 @@ class ModelRunner:
         """
         with self.fan_out(batch):
             logits = self.forward(inputs, self.attention, len(batch.seqs))
+        assert logits is not None, "rank 0 gathers the logits"
         rows = [i for i, seq in enumerate(batch.seqs) if completes_prompt(seq)]
         seqs = [batch.seqs[i] for i in rows]
         if len(rows) < len(batch.seqs):
@@ -95,7 +96,7 @@ class ModelRunner:
         """A tensor-parallel worker's step: pack rank 0's rows as rank 0 did, run the forward."""
         self.forward(self.packer.prepare_rows(message), self.attention, message.num_seqs)
 
-    def forward(self, inputs: StepInputs, attention, num_seqs: int) -> torch.Tensor:
+    def forward(self, inputs: StepInputs, attention, num_seqs: int) -> torch.Tensor | None:
         """Logits (num_seqs, vocab) at the last packed row of each of the first num_seqs (on a
         tensor-parallel worker the gather leaves them to rank 0, which samples)."""
         return forward_logits(self.model, inputs, attention, num_seqs, self.graphs)
@@ -107,7 +108,7 @@ class ModelRunner:
 
 
 def forward_logits(model: CausalLM, inputs: StepInputs, attention, num_seqs: int,
-                   graphs: DecodeGraphs | None = None) -> torch.Tensor:  # fmt: skip
+                   graphs: DecodeGraphs | None = None) -> torch.Tensor | None:  # fmt: skip
     """One model call: a graph replay for a decode step that fits one, else eager."""
     if graphs is not None and graphs.can_replay(inputs):
         return model.compute_logits(graphs.replay(inputs))  # one row per sequence

@@ -73,12 +73,14 @@ class PrefixBlockManager(BlockManager):
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids holding seq's leading full blocks, confirmed; at least one token is left."""
-        block_ids, parent, parent_key = [], None, b""
+        block_ids: list[int] = []
+        parent: tuple[int, int] | None = None
+        parent_key = b""
         max_blocks = (len(seq) - 1) // self.block_size  # a fully cached prompt computes its last
         for i in range(max_blocks):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             key = self.hash_fn(parent_key, tokens)
-            block_id = self.hash_to_block_id.get(key)
+            block_id = self.hash_to_block_id.get(key, -1)  # -1: no block has this key
             entry = self.cached.get(block_id)
             if entry is None or entry.token_ids != tokens or entry.parent != parent:
                 break  # no entry, a collision, or a block whose prefix was repurposed
@@ -86,7 +88,7 @@ class PrefixBlockManager(BlockManager):
             parent, parent_key = (block_id, entry.version), key
         return block_ids
 
-    def can_allocate(self, seq: Sequence) -> Admission:
+    def can_allocate(self, seq: Sequence) -> Admission:  # type: ignore[override]  # a richer bool
         """Fits when the free blocks cover the uncached blocks plus the freed hits reclaimed."""
         return self._admission(seq, self._hits(seq))
 

@@ -21,7 +21,8 @@ class Scheduler:
     def __init__(self, config: EngineConfig, manager: KVCacheManager):
         self.config = config
         self.manager = manager
-        self.caches_prefixes = isinstance(manager, PrefixCachingManager)  # stage 07
+        # stage 07: a manager that shares blocks hears about every block that fills
+        self.prefix_manager = manager if isinstance(manager, PrefixCachingManager) else None
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
@@ -68,7 +69,7 @@ class Scheduler:
         return seq.num_scheduled_tokens
 
     def _schedule_decode(self) -> list[Sequence]:
-        scheduled = []
+        scheduled: list[Sequence] = []
         while self.running and len(scheduled) < self.config.max_num_seqs:
             seq = self.running.popleft()
             while not self.manager.can_append(seq):
@@ -129,8 +130,8 @@ class Scheduler:
         for seq, token_id in zip(batch.seqs, token_ids):
             seq.num_cached_tokens += seq.num_scheduled_tokens  # this step stored their K/V
             seq.num_scheduled_tokens = 0
-            if self.caches_prefixes:  # blocks that just filled become shareable
-                self.manager.hash_blocks(seq)
+            if self.prefix_manager is not None:  # blocks that just filled become shareable
+                self.prefix_manager.hash_blocks(seq)
             if token_id is None:
                 continue
             seq.append_token(token_id)

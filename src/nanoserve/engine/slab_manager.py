@@ -42,6 +42,8 @@ class SlabManager:
 
     def deallocate(self, seq: Sequence) -> None:
         """Return seq's slab; its K/V bytes stay but nobody reads them."""
+        if seq.slab_id is None:
+            raise ValueError(f"sequence {seq.seq_id} holds no slab; was it allocated?")
         self.free_slab_ids.append(seq.slab_id)
         seq.slab_id, seq.num_cached_tokens = None, 0
 

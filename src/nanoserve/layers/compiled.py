@@ -28,11 +28,11 @@ def fuse_small_ops(model: torch.nn.Module) -> int:
     count = 0
     for module in model.modules():
         if isinstance(module, RMSNorm):
-            module.forward = lambda x, m=module: norm(x, m.weight, m.eps)
+            _point(module, "forward", lambda x, m=module: norm(x, m.weight, m.eps))
         elif hasattr(module, "rotate"):  # the decoder's attention
-            module.rotate = rotate
+            _point(module, "rotate", rotate)
         elif hasattr(module, "act"):  # the MLP's silu(gate) * up
-            module.act = middle
+            _point(module, "act", middle)
         else:
             continue
         count += 1
@@ -45,6 +45,11 @@ def unfuse_small_ops(model: torch.nn.Module) -> None:
     for module in model.modules():
         module.__dict__.pop("forward", None)  # the instance override, if any; the class's stays
         if hasattr(module, "rotate"):
-            module.rotate = apply_rotary
+            _point(module, "rotate", apply_rotary)
         if hasattr(module, "act"):
-            module.act = silu_mul
+            _point(module, "act", silu_mul)
+
+
+def _point(module: torch.nn.Module, name: str, function) -> None:
+    """Set an instance attribute of module to a plain function (`unfuse_small_ops` pops it)."""
+    module.__dict__[name] = function  # nn.Module's setattr is typed for tensors and modules only

@@ -62,5 +62,6 @@ class ParallelLMHead(VocabParallelEmbedding):
         logits = gather_on_first(F.linear(hidden, self.weight), self.tp)
         return None if logits is None else logits[:, : self.vocab_size]
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    # None on ranks other than 0, unlike the embedding's forward: hence the ignore.
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
         return self.compute_logits(hidden)

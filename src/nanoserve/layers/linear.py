@@ -44,6 +44,8 @@ class ColumnParallelLinear(nn.Module):
     Nothing is exchanged: the next layer consumes the slice (heads, or a row-parallel input).
     """
 
+    bias: nn.Parameter | None  # registered in __init__ (None: no bias)
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  tp: TensorParallel = ONE_RANK):  # fmt: skip
         super().__init__()
@@ -92,7 +94,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         """This rank's features of each merged projection, in order."""
         return [size // self.tp.size for size in self.output_sizes]
 
-    def weight_loader(self, param: nn.Parameter, loaded, shard_id: int) -> None:
+    # The loader passes shard_id to merged layers only: their signature differs from the base's
+    # on purpose (as in vLLM), hence the ignore.
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id: int) -> None:  # type: ignore[override]
         """Copy this rank's rows of projection shard_id into its place in the merged weight."""
         check_shape(loaded, (self.output_sizes[shard_id], *param.shape[1:]))
         local = self.local_sizes()
@@ -113,7 +117,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         super().__init__(hidden_size, [q_size, kv_size, kv_size], bias, tp)
 
-    def weight_loader(self, param: nn.Parameter, loaded, shard_id: str) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id: str) -> None:  # type: ignore[override]
         """shard_id is "q", "k" or "v": the checkpoint's q_proj, k_proj or v_proj tensor."""
         super().weight_loader(param, loaded, "qkv".index(shard_id))
 
@@ -124,6 +128,8 @@ class RowParallelLinear(nn.Module):
     Its input is the slice a column-parallel layer left on this rank; the all-reduce makes every
     rank's output whole again. The bias is added once, after the sum.
     """
+
+    bias: nn.Parameter | None  # registered in __init__ (None: no bias)
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  tp: TensorParallel = ONE_RANK):  # fmt: skip

@@ -30,6 +30,8 @@ def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Rotates q and k by position-dependent angles, rotate-half layout."""
 
+    inv_freq: torch.Tensor  # (head_dim / 2,) float32, a buffer: follows .to(), not saved
+
     def __init__(self, head_dim: int, theta: float, scaling: dict | None = None):
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
@@ -41,7 +43,7 @@ class RotaryEmbedding(nn.Module):
 
     def _compute_inv_freq(self) -> torch.Tensor:
         inv_freq = rope_inv_freq(self.head_dim, self.theta)
-        if self.rope_type == "llama3":
+        if self.rope_type == "llama3" and self.scaling is not None:  # llama3 comes from scaling
             inv_freq = llama3_inv_freq(inv_freq, self.scaling)
         return inv_freq
 

@@ -75,9 +75,12 @@ def gather_on_first(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor | None:
     if tp.size == 1:
         return x
     x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(tp.size)] if tp.rank == 0 else None
+    if tp.rank != 0:
+        dist.gather(x, None, dst=0)
+        return None
+    parts = [torch.empty_like(x) for _ in range(tp.size)]
     dist.gather(x, parts, dst=0)
-    return torch.cat(parts, dim=-1) if tp.rank == 0 else None
+    return torch.cat(parts, dim=-1)
 
 
 def min_over_ranks(value: int, tp: TensorParallel, device: torch.device) -> int:

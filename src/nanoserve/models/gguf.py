@@ -10,6 +10,7 @@ import enum
 import math
 import os
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -94,7 +95,7 @@ def _q4_1(blocks: np.ndarray) -> np.ndarray:
 
 
 # type -> (elements per block, bytes per block, decoder)
-_FORMATS = {
+_FORMATS: dict[int, tuple[int, int, Callable[[np.ndarray], np.ndarray]]] = {
     # F32 copies: never hand out the file's memmap
     TensorType.F32: (1, 4, lambda b: b.view(np.float32).copy()),
     TensorType.F16: (1, 2, lambda b: b.view(np.float16)),
@@ -105,12 +106,11 @@ _FORMATS = {
 }
 
 
-def dequantize(data: np.ndarray, tensor_type: int, shape: tuple[int, ...]) -> np.ndarray:
+def dequantize(data: np.ndarray, tensor_type: enum.IntEnum, shape: tuple[int, ...]) -> np.ndarray:
     """Decode a GGUF tensor's raw data into a float32 array of numpy (row-major) `shape`."""
     if tensor_type not in _FORMATS:  # an IntEnum hashes as its number: gguf's enum finds ours
-        name = getattr(tensor_type, "name", tensor_type)
-        names = ", ".join(t.name for t in _FORMATS)
-        raise ValueError(f"tensor type {name} is not supported (supported: {names})")
+        names = ", ".join(TensorType(t).name for t in _FORMATS)
+        raise ValueError(f"tensor type {tensor_type.name} is not supported (supported: {names})")
     block_elements, block_bytes, decode = _FORMATS[tensor_type]
     raw = np.asarray(data).reshape(-1).view(np.uint8)  # whatever dtype the reader gave, as bytes
     count = math.prod(shape)

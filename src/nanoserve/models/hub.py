@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import TypeGuard
 
 # Hub repo names: letters, digits, '-', '_' and '.', one owner and one name
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
@@ -37,7 +38,7 @@ class HubModelUnavailable(ValueError):
     """A Hub id that is in no local Hub cache and could not be downloaded."""
 
 
-def is_hub_id(model: object) -> bool:
+def is_hub_id(model: object) -> TypeGuard[str]:
     """True for a string shaped like a Hub id, `owner/name` (callers check local paths first)."""
     return isinstance(model, str) and HUB_ID.fullmatch(model) is not None
 

@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import TypeGuard
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -67,7 +68,7 @@ def checkpoint_folder(model: str | Path) -> Path:
     )
 
 
-def is_preset(model: str | Path) -> bool:
+def is_preset(model: str | Path) -> TypeGuard[str]:
     """True for a random-weight preset name (`qwen3-0.6b`, ...) that is not a local path."""
     return isinstance(model, str) and model in PRESETS and not Path(model).exists()
 
@@ -148,7 +149,8 @@ def read_model_config(folder: Path) -> ModelConfig:
 def open_state_dict(folder: Path) -> Iterator[dict]:
     """Every tensor of the folder's safetensors shards as a slice that reads nothing until it is
     indexed (`t[a:b]`, `t[:]`); CheckpointError names a shard that cannot be read."""
-    state_dict, shard = {}, None
+    state_dict: dict[str, object] = {}
+    shard: Path | None = None
     try:
         with ExitStack() as stack:
             for shard in sorted(folder.glob("*.safetensors")):

@@ -15,13 +15,13 @@ worker is stopped, the group is torn down, and the error says which worker and w
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import threading
 import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from multiprocessing.connection import wait
+from multiprocessing.process import BaseProcess
 
 from nanoserve.child_process import ChildDied, ChildProcess, Ready, broadcast, receive_all, stop_all
 from nanoserve.config import EngineConfig
@@ -54,7 +54,7 @@ class WorkerGroup:
         threading.Thread(target=self._watch, name="nanoserve-worker-watch", daemon=True).start()
 
     @property
-    def processes(self) -> list[mp.Process]:
+    def processes(self) -> list[BaseProcess]:
         """The worker processes, rank 1 first."""
         return [worker.process for worker in self.workers]
 

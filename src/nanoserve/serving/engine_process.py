@@ -96,7 +96,6 @@ class EngineClient:
     """
 
     generate = AsyncEngine.generate  # the caller's side is the thread loop's
-    deliver = AsyncEngine.deliver  # one call_soon_threadsafe per event loop per batch
 
     def __init__(self, model: str, stage: int | None = None, device=None, dtype=None,
                  **engine_options):  # fmt: skip
@@ -119,6 +118,11 @@ class EngineClient:
         self._send_lock = threading.Lock()
         self._request_ids = itertools.count()
         self._reader: threading.Thread | None = None
+
+    def deliver(self, deliveries: list[Delivery]) -> None:
+        """One call_soon_threadsafe per event loop per batch: AsyncEngine's own (it reads only
+        the deliveries, never the engine)."""
+        AsyncEngine.deliver(self, deliveries)  # type: ignore[arg-type]
 
     def apply_chat_template(self, conversation: list[dict]) -> str:
         from nanoserve.llm import chat_prompt
@@ -163,7 +167,8 @@ class EngineClient:
         stream = RequestStream(next(self._request_ids), asyncio.get_running_loop(), coalesce=True)
         self.streams[stream.request_id] = stream
         try:
-            self._send(Add(RemoteStream(stream.request_id), list(prompt_token_ids), params))
+            remote = RemoteStream(stream.request_id)  # the stream's stand-in across the pipe
+            self._send(Add(remote, list(prompt_token_ids), params))  # type: ignore[arg-type]
         except OSError as err:  # the engine process died just now
             self.streams.pop(stream.request_id, None)
             raise EngineError(f"the engine process is not running ({err})") from None
@@ -190,6 +195,7 @@ class EngineClient:
 
     def _read(self) -> None:
         """Route each batch to its streams until the pipe closes; then fail whoever waits."""
+        assert self.child is not None, "the reader starts after the engine process"
         try:
             while True:
                 batch, self.stats = self.child.receive(tuple)

@@ -13,7 +13,8 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import cast
 
 from nanoserve.sampling import SamplingParams
 from nanoserve.serving import protocol
@@ -40,14 +41,15 @@ class Generation:
         self.prompt_param = "messages" if chat else "prompt"  # the field a rejection names
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.kind = "chat.completion" if chat else "text_completion"
-        self.deltas: AsyncIterator | None = None
+        self.deltas: AsyncGenerator | None = None  # set by start()
         self.arrival = self.last_token_time = time.perf_counter()
         self.num_tokens = 0
         self.finish_reason: str | None = None
 
     async def start(self) -> None:
         """Queue the request and wait for the loop's answer; APIError if it is rejected."""
-        self.deltas = self.loop.generate(self.prompt_token_ids, self.params)
+        # an async generator (annotated as an iterator): aclose() is what aborts the request
+        self.deltas = cast(AsyncGenerator, self.loop.generate(self.prompt_token_ids, self.params))
         try:
             await anext(self.deltas)  # the empty "accepted" delta, one loop iteration away
         except ValueError as err:
@@ -59,8 +61,10 @@ class Generation:
 
     async def pieces(self) -> AsyncIterator[tuple[str, list[int]]]:
         """(new text, new token ids) per delta until the request is done; sets finish_reason."""
+        deltas = self.deltas
+        assert deltas is not None, "start() comes first"
         try:
-            async for delta in self.deltas:
+            async for delta in deltas:
                 self._count(delta.token_ids)
                 piece = self.text.push(delta.token_ids)
                 if self.text.stopped:  # a stop string: the engine's request is aborted below
@@ -72,7 +76,7 @@ class Generation:
                 if self.finish_reason is not None:
                     break
         finally:
-            await self.deltas.aclose()  # leaving early aborts the request in the engine
+            await deltas.aclose()  # leaving early aborts the request in the engine
             self.metrics.requests[self.finish_reason or "abort"] += 1
 
     async def response(self) -> dict:

@@ -81,7 +81,7 @@ class SamplingFields(BaseModel):
                 top_p=self.top_p,
                 max_tokens=self.max_tokens or default_max_tokens,
                 ignore_eos=self.ignore_eos,
-                stop_token_ids=self.stop_token_ids or (),
+                stop_token_ids=tuple(self.stop_token_ids or ()),
                 seed=self.seed,
             )
         except ValueError as err:  # "SamplingParams.<field> = ... is invalid; expected ..."

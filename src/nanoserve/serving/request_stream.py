@@ -60,6 +60,7 @@ class RequestStream:
         """Queue a delivery; call it on `self.loop`'s thread only."""
         last = self._items[-1] if self._items else None
         if self.coalesce and joinable(last, item):
+            assert isinstance(last, TokenDelta) and isinstance(item, TokenDelta)  # joinable says
             self._items[-1] = TokenDelta(last.token_ids + item.token_ids, item.finish_reason)
         else:
             self._items.append(item)

@@ -15,13 +15,15 @@ are held back until they cannot be the start of one.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 INCOMPLETE = "\ufffd"  # what a decoder prints for the first bytes of a character cut in two
 
 
 class TextStream:
     """Token ids in, text pieces out, for one request; `stopped` once a stop string appeared."""
 
-    def __init__(self, tokenizer, stop: list[str] = ()):
+    def __init__(self, tokenizer, stop: Iterable[str] = ()):
         self.tokenizer = tokenizer  # None for a model without one: the text stays empty
         self.stop = list(stop)
         self.token_ids: list[int] = []
