@@ -3,7 +3,8 @@
 Introduced in stage 00 (`Sequence`, `ScheduledBatch`); `AttentionMetadata` and `StepInputs` in
 stage 04, and every stage fills them in since. Nothing here decides anything: the scheduler and
 the cache managers (engine/) fill in a `Sequence`, the model runner's input packer builds the
-`StepInputs`, the attention backends (kernels/) read them. It sits at the bottom of the import order, so anyone may use it.
+`StepInputs`, the attention backends (kernels/) read them. It sits at the bottom of the import
+order, so anyone may use it.
 """
 
 from __future__ import annotations
