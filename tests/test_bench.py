@@ -18,8 +18,18 @@ from nanoserve.models.config import ModelConfig
 from nanoserve.models.presets import PRESETS, preset_config, random_model
 from nanoserve.stages import latest_stage
 
-TINY_RUN = ["--model", "tiny-llama", "--device", "cpu", "--num-seqs", "3",
-            "--max-input-len", "24", "--max-output-len", "6"]  # fmt: skip
+TINY_RUN = [
+    "--model",
+    "tiny-llama",
+    "--device",
+    "cpu",
+    "--num-seqs",
+    "3",
+    "--max-input-len",
+    "24",
+    "--max-output-len",
+    "6",
+]
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -63,7 +73,11 @@ def test_stage_option_takes_comma_lists_and_repeats():
 def test_presets_have_the_real_models_shapes():
     qwen = ModelConfig.from_hf_dict(preset_config("qwen3-0.6b"))
     assert (qwen.model_type, qwen.num_hidden_layers, qwen.head_dim, qwen.qk_norm) == (
-        "qwen3", 28, 128, True)  # fmt: skip
+        "qwen3",
+        28,
+        128,
+        True,
+    )
     assert qwen.eos_token_ids == (151645,) and qwen.tie_word_embeddings
     smol = ModelConfig.from_hf_dict(preset_config("smollm2-135m"))
     assert (smol.hidden_size, smol.num_key_value_heads, smol.vocab_size) == (576, 3, 49152)

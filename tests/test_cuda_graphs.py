@@ -48,8 +48,15 @@ def test_buckets_are_powers_of_two_to_8_then_steps_of_16_ending_at_max_num_seqs(
 def test_a_batch_replays_the_smallest_bucket_that_holds_it():
     buckets = graph_buckets(40)
     assert [bucket_for(n, buckets) for n in (1, 3, 8, 9, 16, 17, 33, 40)] == [
-        1, 4, 8, 16, 16, 32, 40, 40,
-    ]  # fmt: skip
+        1,
+        4,
+        8,
+        16,
+        16,
+        32,
+        40,
+        40,
+    ]
     assert bucket_for(41, buckets) is None  # above the largest: eager
 
 
@@ -59,8 +66,9 @@ def test_the_table_width_covers_a_sequence_at_max_model_len_even_one_past_a_full
     block_size, max_model_len = 4, 12
     seq = Sequence(list(range(max_model_len)), SamplingParams())  # exactly fills 3 blocks
     seq.block_table, seq.num_cached_tokens = [5, 1, 7], max_model_len - 1
-    step = prepare_decode([seq], block_size, "cpu", batch_size=2,
-                          table_width=table_width(max_model_len, block_size))  # fmt: skip
+    step = prepare_decode(
+        [seq], block_size, "cpu", batch_size=2, table_width=table_width(max_model_len, block_size)
+    )
     assert step.metadata.block_tables.tolist() == [[5, 1, 7], [-1, -1, -1]]
 
 
@@ -92,8 +100,15 @@ def test_every_max_num_seqs_gets_buckets_that_hold_every_batch_up_to_it_and_none
 
 def tensors(step):
     md = step.metadata
-    return [step.input_ids, step.positions, md.cu_seqlens_q, md.cu_seqlens_k, md.slot_mapping,
-            md.context_lens, md.block_tables]  # fmt: skip
+    return [
+        step.input_ids,
+        step.positions,
+        md.cu_seqlens_q,
+        md.cu_seqlens_k,
+        md.slot_mapping,
+        md.context_lens,
+        md.block_tables,
+    ]
 
 
 def test_static_buffers_have_the_shapes_and_dtypes_of_a_padded_step():
@@ -132,8 +147,13 @@ def test_a_step_replays_only_if_it_is_a_decode_that_fits_a_bucket_and_the_table_
 
 
 MAX_MODEL_LEN, MAX_NUM_SEQS = 40, 20  # 20: the largest bucket is off the 16-grid
-ENGINE = dict(dtype="float64", block_size=4, max_model_len=MAX_MODEL_LEN,
-              max_num_seqs=MAX_NUM_SEQS, num_kv_blocks=256)  # fmt: skip
+ENGINE = dict(
+    dtype="float64",
+    block_size=4,
+    max_model_len=MAX_MODEL_LEN,
+    max_num_seqs=MAX_NUM_SEQS,
+    num_kv_blocks=256,
+)
 POOL_TOLERANCE = {"cpu": 1e-12, "cuda": 1e-9}  # K/V summed in another order than eager's
 
 
@@ -150,8 +170,9 @@ def run_to_max_model_len(folder, lengths, width=None, device="cpu"):
     on a CPU); steps lists (batch size, table width, replayed?) of every decode step offered.
     enforce_eager keeps stage 08 from capturing its own graphs (and from fusing small ops)."""
     backend = "triton" if device == "cuda" else "torch"
-    llm = LLM(str(folder), stage=8, device=device, attention_backend=backend,
-              enforce_eager=True, **ENGINE)  # fmt: skip
+    llm = LLM(
+        str(folder), stage=8, device=device, attention_backend=backend, enforce_eager=True, **ENGINE
+    )
     runner, steps = llm.engine.runner, []
     if width is not None:
         graphs = DecodeGraphs(runner.model, runner.attention, MAX_NUM_SEQS, width, device)
@@ -234,15 +255,24 @@ def test_graph_replay_gives_the_eager_tokens_for_every_batch_size(tiny_checkpoin
     params = [SamplingParams(max_tokens=12 + i % 4, ignore_eos=True) for i in range(num_prompts)]
 
     def build():
-        return LLM(str(folder), stage=6, device="cuda", dtype="float32", block_size=16,
-                   max_model_len=128, max_num_seqs=24, num_kv_blocks=256,
-                   attention_backend="triton")  # fmt: skip
+        return LLM(
+            str(folder),
+            stage=6,
+            device="cuda",
+            dtype="float32",
+            block_size=16,
+            max_model_len=128,
+            max_num_seqs=24,
+            num_kv_blocks=256,
+            attention_backend="triton",
+        )
 
     eager = [o.token_ids for o in build().generate(prompts, params, use_tqdm=False)]
     llm = build()
     runner = llm.engine.runner
-    runner.graphs = DecodeGraphs(runner.model, runner.attention, 24, table_width(128, 16),
-                                 runner.device)  # fmt: skip
+    runner.graphs = DecodeGraphs(
+        runner.model, runner.attention, 24, table_width(128, 16), runner.device
+    )
     runner.graphs.capture()
     replays = []
     original = runner.graphs.replay

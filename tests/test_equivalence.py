@@ -158,9 +158,15 @@ def step_logits(model, make_attention, prompts, block_size: int = 4) -> torch.Te
         seq.block_table = list(range(num_blocks, num_blocks + needed))
         num_blocks += needed
         seqs.append(seq)
-    pool = PagedKVPool(num_blocks, block_size, config.num_hidden_layers,
-                       config.num_key_value_heads, config.head_dim, weight.dtype,
-                       weight.device)  # fmt: skip
+    pool = PagedKVPool(
+        num_blocks,
+        block_size,
+        config.num_hidden_layers,
+        config.num_key_value_heads,
+        config.head_dim,
+        weight.dtype,
+        weight.device,
+    )
     attention = make_attention(pool)
     logits = []
     with torch.inference_mode():
@@ -212,8 +218,10 @@ def multi_turn(generate):
     for turn in range(3):
         replies = generate(chats)
         outputs += replies
-        chats = [chat + reply + [rng.randrange(256) for _ in range(3 + turn)]
-                 for chat, reply in zip(chats, replies)]  # fmt: skip
+        chats = [
+            chat + reply + [rng.randrange(256) for _ in range(3 + turn)]
+            for chat, reply in zip(chats, replies)
+        ]
     return outputs
 
 
@@ -243,8 +251,16 @@ SHARING_WORKLOADS = {
 
 def play(folder, stage: int, workload, num_kv_blocks: int):
     """(tokens, prompt tokens computed, preemptions) of one workload on one stage's engine."""
-    llm = LLM(str(folder), stage=stage, device=DEVICE, dtype="float64", block_size=4,
-              max_model_len=96, max_num_seqs=4, num_kv_blocks=num_kv_blocks)  # fmt: skip
+    llm = LLM(
+        str(folder),
+        stage=stage,
+        device=DEVICE,
+        dtype="float64",
+        block_size=4,
+        max_model_len=96,
+        max_num_seqs=4,
+        num_kv_blocks=num_kv_blocks,
+    )
 
     def generate(prompts):
         params = SamplingParams(max_tokens=SHARING_MAX_TOKENS, ignore_eos=True)

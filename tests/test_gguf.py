@@ -377,10 +377,22 @@ def assert_config_matches(config: dict, hf) -> None:
     from transformers import LlamaConfig
 
     assert (config["num_hidden_layers"], config["hidden_size"], config["head_dim"]) == (30, 576, 64)
-    same = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-            "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
-            "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
-            "attention_bias", "hidden_act"]  # fmt: skip
+    same = [
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "attention_bias",
+        "hidden_act",
+    ]
     assert {k: config[k] for k in same} == {k: getattr(hf, k) for k in same}
     assert config["rope_theta"] == hf.rope_parameters["rope_theta"] == 100000.0
     assert config["rope_scaling"] is None and hf.rope_parameters["rope_type"] == "default"

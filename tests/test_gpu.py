@@ -78,8 +78,9 @@ def test_auto_picks_the_triton_kernels_on_cuda_at_stages_5_and_6(tiny_checkpoint
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("block_size", [16, 256])
-def test_stage6_triton_on_cuda_matches_stage4_up_to_top5(tiny_checkpoints, prompts, dtype,
-                                                        block_size):  # fmt: skip
+def test_stage6_triton_on_cuda_matches_stage4_up_to_top5(
+    tiny_checkpoints, prompts, dtype, block_size
+):
     folder, _ = tiny_checkpoints["qwen3"]
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     options = dict(device="cuda", dtype=dtype, block_size=block_size, num_kv_blocks=64)
@@ -114,16 +115,17 @@ def test_qwen3_shape_bf16_stage6_triton_matches_stage4_on_cuda_up_to_top5(prompt
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_stage6_triton_logits_match_the_torch_reference_on_cuda(tiny_checkpoints, prompts,
-                                                                family):  # fmt: skip
+def test_stage6_triton_logits_match_the_torch_reference_on_cuda(tiny_checkpoints, prompts, family):
     """float32: the kernels within 1e-3 of torch. bf16: their error against the float32 torch
     logits at most twice torch's own bf16 error (FlashAttention's rule), plus 1e-3 of the scale."""
     from nanoserve.kernels.triton_backend import TritonPagedAttention
 
     folder, _ = tiny_checkpoints[family]
     prompts = tiny_prompts(prompts)
-    model = {d: LLM(str(folder), stage=4, device="cuda", dtype=d, num_kv_blocks=8).model
-             for d in ("float32", "bfloat16")}  # fmt: skip
+    model = {
+        d: LLM(str(folder), stage=4, device="cuda", dtype=d, num_kv_blocks=8).model
+        for d in ("float32", "bfloat16")
+    }
     want = step_logits(model["float32"], TorchPagedAttention, prompts, block_size=16)
     got = step_logits(model["float32"], TritonPagedAttention, prompts, block_size=16)
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)

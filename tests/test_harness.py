@@ -43,8 +43,12 @@ def all_graded_runs() -> dict[str, tuple]:
     pytest subprocess per impl (both at once), as a learner's `pytest stages/NN --impl` runs."""
     files = [str(ROOT / stage.test_file) for stage in graded_stages()]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {impl: pool.submit(check.run_test_file, ROOT / files[0], impl, cwd=ROOT,
-                                     extra_args=tuple(files[1:])) for impl in IMPLS}  # fmt: skip
+        futures = {
+            impl: pool.submit(
+                check.run_test_file, ROOT / files[0], impl, cwd=ROOT, extra_args=tuple(files[1:])
+            )
+            for impl in IMPLS
+        }
     return {impl: future.result() for impl, future in futures.items()}
 
 
@@ -86,15 +90,23 @@ def graded_file_problems(stage) -> str:
     checks = [
         ("fail on the reference", describe(r for r in ref.results if r.outcome not in excused)),
         ("the reference run broke", "" if ref.is_success else ref.output[-3000:]),
-        ("the starter run must reach every test",
-         "" if len(starter.results) == len(ref.results) else
-         f"{len(starter.results)} of {len(ref.results)} reached"),
+        (
+            "the starter run must reach every test",
+            ""
+            if len(starter.results) == len(ref.results)
+            else f"{len(starter.results)} of {len(ref.results)} reached",
+        ),
         ("pass on the starter", describe(starter.with_outcome(Outcome.PASSED))),
         ("skip on the starter", describe(starter.with_outcome(Outcome.SKIPPED))),
-        ("fail on the starter for another reason than NotImplementedError",
-         describe(r for r in starter.with_outcome(Outcome.FAILED)
-                  if "NotImplementedError" not in r.message)),
-    ]  # fmt: skip
+        (
+            "fail on the starter for another reason than NotImplementedError",
+            describe(
+                r
+                for r in starter.with_outcome(Outcome.FAILED)
+                if "NotImplementedError" not in r.message
+            ),
+        ),
+    ]
     return "\n".join(f"{what}:\n{found}" for what, found in checks if found)
 
 
@@ -223,8 +235,10 @@ def test_check_refuses_an_impl_that_cannot_load_with_one_line_and_exit_2(
 def test_the_cli_check_of_a_missing_file_prints_one_line_and_exits_2(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "nanoserve", "check", "3", "--impl", "my_block_table.py"],
-        cwd=tmp_path, capture_output=True, text=True,
-    )  # fmt: skip
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stdout == ""
     assert proc.stderr.strip() == (

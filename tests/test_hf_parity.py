@@ -69,8 +69,9 @@ def hf_smollm2():
 @pytest.mark.slow
 def test_smollm2_greedy_tokens_equal_transformers_on_the_same_gguf(smollm2_llm, hf_smollm2):
     num_new_tokens = 32
-    prompts = [smollm2_llm.apply_chat_template([{"role": "user", "content": q}])
-               for q in CHAT_QUESTIONS]  # fmt: skip
+    prompts = [
+        smollm2_llm.apply_chat_template([{"role": "user", "content": q}]) for q in CHAT_QUESTIONS
+    ]
     params = SamplingParams(max_tokens=num_new_tokens, ignore_eos=True)
     outputs = smollm2_llm.generate(prompts, params, use_tqdm=False)
     for out in outputs:

@@ -11,8 +11,15 @@ NUM_BLOCKS = 40
 
 
 def paged_llm(folder) -> LLM:
-    return LLM(str(folder), stage=4, device="cpu", dtype="float64", block_size=4,
-               num_kv_blocks=NUM_BLOCKS, max_model_len=ENGINE_MAX_MODEL_LEN)  # fmt: skip
+    return LLM(
+        str(folder),
+        stage=4,
+        device="cpu",
+        dtype="float64",
+        block_size=4,
+        num_kv_blocks=NUM_BLOCKS,
+        max_model_len=ENGINE_MAX_MODEL_LEN,
+    )
 
 
 def tokens(llm: LLM, requests) -> list[list[int]]:
@@ -76,8 +83,9 @@ def test_an_interrupt_inside_a_forward_pass_leaves_nothing_behind(
     assert_clean_and_serving(llm, fresh_tokens)
 
 
-def test_an_exception_from_the_model_propagates_and_the_llm_is_clean(folder, fresh_tokens,
-                                                                     monkeypatch):  # fmt: skip
+def test_an_exception_from_the_model_propagates_and_the_llm_is_clean(
+    folder, fresh_tokens, monkeypatch
+):
     llm = paged_llm(folder)
 
     def broken(*args, **kwargs):
@@ -104,8 +112,12 @@ def test_a_prefill_undone_by_an_interrupt_is_recomputed_for_a_request_of_another
 ):
     llm = paged_llm(folder)
     other = llm.stream([9, 8, 7, 6, 5], SamplingParams(max_tokens=6, ignore_eos=True))
-    interrupt_on_call(monkeypatch, llm.engine.runner.attention, "forward",
-                      lambda layer_id, *rest: layer_id == 1 and rest[-1].is_prefill)  # fmt: skip
+    interrupt_on_call(
+        monkeypatch,
+        llm.engine.runner.attention,
+        "forward",
+        lambda layer_id, *rest: layer_id == 1 and rest[-1].is_prefill,
+    )
     with pytest.raises(KeyboardInterrupt):
         next(other)  # the stream's own prefill is interrupted: its request goes back to waiting
     assert not llm.engine.scheduler.running and llm.engine.manager.num_free_blocks == NUM_BLOCKS

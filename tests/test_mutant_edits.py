@@ -58,11 +58,13 @@ EDITS = {
     # `elsewhere` holds the same expression: only the target's own nodes are candidates
     "an expression": ("n > self.num_free", "n >= self.num_free"),
     "a statement": ("return ids", "return ids[::-1]"),
-    "a run of statements": (f"{CHECK}\n{POP}",
-                            f"{POP}\nif len(ids) < n:\n    raise OutOfBlocks(n, self.num_free)"),
+    "a run of statements": (
+        f"{CHECK}\n{POP}",
+        f"{POP}\nif len(ids) < n:\n    raise OutOfBlocks(n, self.num_free)",
+    ),
     "a deletion": (CHECK, ""),
     "a statement made two": (POP, f"{POP}\nids.sort()"),
-}  # fmt: skip
+}
 
 
 def program(source: str) -> str:

@@ -19,8 +19,18 @@ from tests.mutants import Mutant, all_mutants, grade, mutated_source, write_muta
 MUTANTS = all_mutants()
 MIN_MUTANTS_PER_STAGE = 8
 # the slow, engine-level task of each stage
-ENGINE_TASK = {1: "task_4", 2: "task_6", 3: "task_6", 4: "task_6", 5: "task_5", 6: "task_5",
-               7: "task_6", 8: "task_4", 9: "task_6", 10: "task_6"}  # fmt: skip
+ENGINE_TASK = {
+    1: "task_4",
+    2: "task_6",
+    3: "task_6",
+    4: "task_6",
+    5: "task_5",
+    6: "task_5",
+    7: "task_6",
+    8: "task_4",
+    9: "task_6",
+    10: "task_6",
+}
 
 
 @pytest.fixture(autouse=True, scope="module")

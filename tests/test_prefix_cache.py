@@ -146,9 +146,16 @@ def test_a_page_whose_prefix_was_repurposed_is_not_served():
 
 
 def prefix_llm(folder, **options) -> LLM:
-    return LLM(str(folder), stage=4, device="cpu", dtype="float64", block_size=4,
-               max_model_len=ENGINE_MAX_MODEL_LEN, **options,
-               components={"BlockManager": PrefixBlockManager})  # fmt: skip
+    return LLM(
+        str(folder),
+        stage=4,
+        device="cpu",
+        dtype="float64",
+        block_size=4,
+        max_model_len=ENGINE_MAX_MODEL_LEN,
+        **options,
+        components={"BlockManager": PrefixBlockManager},
+    )
 
 
 def shared_prefix_requests():
@@ -162,8 +169,14 @@ def shared_prefix_requests():
 def test_sharing_prefixes_gives_the_unshared_tokens(tiny_checkpoints, num_kv_blocks):
     folder, _ = tiny_checkpoints["llama"]
     requests = shared_prefix_requests()
-    plain = LLM(str(folder), stage=4, device="cpu", dtype="float64", block_size=4,
-                max_model_len=ENGINE_MAX_MODEL_LEN)  # fmt: skip
+    plain = LLM(
+        str(folder),
+        stage=4,
+        device="cpu",
+        dtype="float64",
+        block_size=4,
+        max_model_len=ENGINE_MAX_MODEL_LEN,
+    )
     expected = [o.token_ids for o in plain.generate(*requests, use_tqdm=False)]
     llm = prefix_llm(folder, num_kv_blocks=num_kv_blocks, max_num_seqs=3)
     shared_writes = []
@@ -193,8 +206,13 @@ class PrefixMachine(SchedulerMachine):
 
     def __init__(self):
         super().__init__()
-        self.config = EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=24,
-                                   block_size=4, enable_chunked_prefill=True)  # fmt: skip
+        self.config = EngineConfig(
+            max_model_len=64,
+            max_num_seqs=4,
+            max_num_batched_tokens=24,
+            block_size=4,
+            enable_chunked_prefill=True,
+        )
         self.manager = PrefixBlockManager(num_blocks=24, block_size=4)
         self.scheduler = Scheduler(self.config, self.manager)
         self.shadow: dict[int, int] = {}  # slot -> the token whose K/V it holds

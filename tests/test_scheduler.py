@@ -25,8 +25,9 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.config = EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=96,
-                                   block_size=4)  # fmt: skip
+        self.config = EngineConfig(
+            max_model_len=64, max_num_seqs=4, max_num_batched_tokens=96, block_size=4
+        )
         self.manager = BlockManager(num_blocks=24, block_size=4)
         self.scheduler = Scheduler(self.config, self.manager)
         self.rng = random.Random(0)
@@ -76,8 +77,7 @@ TestSchedulerMachine.settings = settings(max_examples=60, stateful_step_count=60
 
 
 def test_decode_preempts_the_newest_sequence_when_the_pool_runs_dry():
-    config = EngineConfig(max_model_len=32, max_num_seqs=4, max_num_batched_tokens=32,
-                          block_size=4)  # fmt: skip
+    config = EngineConfig(max_model_len=32, max_num_seqs=4, max_num_batched_tokens=32, block_size=4)
     manager = BlockManager(num_blocks=4, block_size=4)
     scheduler = Scheduler(config, manager)
     older, newer = (Sequence([1, 2, 3, 4], SamplingParams(max_tokens=8)) for _ in range(2))
@@ -104,10 +104,24 @@ def test_forced_preemption_gives_the_same_tokens_as_a_large_pool(tiny_llama):
     rng = random.Random(1)
     prompts = [[rng.randrange(256) for _ in range(rng.randrange(3, 40))] for _ in range(12)]
     params = SamplingParams(max_tokens=48, ignore_eos=True)
-    big = LLM(tiny_llama, stage=4, device="cpu", dtype="float64", block_size=4,
-              num_kv_blocks=1000, max_model_len=96)  # fmt: skip
-    small = LLM(tiny_llama, stage=4, device="cpu", dtype="float64", block_size=4,
-                num_kv_blocks=24, max_model_len=96)  # fmt: skip
+    big = LLM(
+        tiny_llama,
+        stage=4,
+        device="cpu",
+        dtype="float64",
+        block_size=4,
+        num_kv_blocks=1000,
+        max_model_len=96,
+    )
+    small = LLM(
+        tiny_llama,
+        stage=4,
+        device="cpu",
+        dtype="float64",
+        block_size=4,
+        num_kv_blocks=24,
+        max_model_len=96,
+    )
     expected = [o.token_ids for o in big.generate(prompts, params, use_tqdm=False)]
     got = [o.token_ids for o in small.generate(prompts, params, use_tqdm=False)]
     assert big.engine.scheduler.num_preemptions == 0
@@ -117,8 +131,15 @@ def test_forced_preemption_gives_the_same_tokens_as_a_large_pool(tiny_llama):
 
 
 def test_a_request_that_can_never_fit_is_rejected_and_the_rest_complete(tiny_llama):
-    llm = LLM(tiny_llama, stage=4, device="cpu", dtype="float64", block_size=4,
-              num_kv_blocks=8, max_model_len=96)  # fmt: skip
+    llm = LLM(
+        tiny_llama,
+        stage=4,
+        device="cpu",
+        dtype="float64",
+        block_size=4,
+        num_kv_blocks=8,
+        max_model_len=96,
+    )
     engine = llm.engine
     ok = [engine.add_request([1, 2, 3], SamplingParams(max_tokens=5)) for _ in range(3)]
     with pytest.raises(ValueError, match=r"needs 10 blocks of 4 but the pool has only 8"):

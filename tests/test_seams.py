@@ -25,8 +25,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def tiny_llm(folder, stage: int, **options) -> LLM:
-    return LLM(str(folder), stage=stage, device="cpu", dtype="float64",
-               max_model_len=ENGINE_MAX_MODEL_LEN, **options)  # fmt: skip
+    return LLM(
+        str(folder),
+        stage=stage,
+        device="cpu",
+        dtype="float64",
+        max_model_len=ENGINE_MAX_MODEL_LEN,
+        **options,
+    )
 
 
 def tokens(llm: LLM, requests) -> list[list[int]]:
@@ -44,8 +50,10 @@ def test_every_implemented_stage_and_only_those_has_a_composition():
 
 @pytest.mark.parametrize("stage", [s.number for s in implemented_stages()])
 def test_a_stages_learner_api_lives_in_its_reference_modules(stage):
-    modules = {f"nanoserve.{m.removesuffix('.py').replace('/', '.')}"
-               for m in STAGES[stage].reference_modules}  # fmt: skip
+    modules = {
+        f"nanoserve.{m.removesuffix('.py').replace('/', '.')}"
+        for m in STAGES[stage].reference_modules
+    }
     for name, obj in learner_api(stage).items():
         assert obj.__module__ in modules, (stage, name, obj.__module__)
 
@@ -138,8 +146,12 @@ def test_padded_decode_rows_write_nothing_and_read_nothing():
     assert md.context_lens.tolist() == [5, 9, 0, 0]
     assert md.cu_seqlens_q.tolist() == [0, 1, 2, 3, 4]
     assert md.cu_seqlens_k.tolist() == [0, 5, 14, 14, 14]
-    assert md.block_tables.tolist() == [[3, 1, -1, -1, -1, -1], [0, 2, 4, -1, -1, -1],
-                                        [-1] * 6, [-1] * 6]  # fmt: skip
+    assert md.block_tables.tolist() == [
+        [3, 1, -1, -1, -1, -1],
+        [0, 2, 4, -1, -1, -1],
+        [-1] * 6,
+        [-1] * 6,
+    ]
     assert md.num_seqs == 2 and md.host.context_lens == [5, 9]
 
 
@@ -149,8 +161,10 @@ def test_decode_padded_to_a_fixed_batch_and_table_width_gives_the_same_tokens(ti
     width = ENGINE_MAX_MODEL_LEN // 4
     padded = functools.partial(prepare_decode, batch_size=16, table_width=width)
     plain = tokens(tiny_llm(folder, 4, block_size=4), requests)
-    assert tokens(tiny_llm(folder, 4, block_size=4, components={"prepare_decode": padded}),
-                  requests) == plain  # fmt: skip
+    assert (
+        tokens(tiny_llm(folder, 4, block_size=4, components={"prepare_decode": padded}), requests)
+        == plain
+    )
 
 
 def test_padding_past_the_asked_shape_is_refused():

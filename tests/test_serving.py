@@ -54,8 +54,9 @@ def served(folder):
 
 @pytest.fixture
 def client(served):
-    return openai.OpenAI(base_url=f"{served[0]}/v1", api_key="unused", timeout=TIMEOUT,
-                         max_retries=0)  # fmt: skip
+    return openai.OpenAI(
+        base_url=f"{served[0]}/v1", api_key="unused", timeout=TIMEOUT, max_retries=0
+    )
 
 
 def offline_ids(offline: LLM, prompt, **sampling) -> tuple[list[int], str, str]:
@@ -101,8 +102,11 @@ def test_a_greedy_completion_equals_llm_generate(client, offline, prompt):
 
 def test_a_streamed_completion_equals_llm_generate_token_for_token(client, offline):
     want_ids, want_text, want_reason = offline_ids(offline, "Once upon a time", max_tokens=30)
-    chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time", stream=True,
-                                            max_tokens=30, temperature=0))  # fmt: skip
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt="Once upon a time", stream=True, max_tokens=30, temperature=0
+        )
+    )
     ids = [t for c in chunks for t in c.choices[0].model_extra["token_ids"]]
     assert ids == want_ids
     assert "".join(c.choices[0].text for c in chunks) == want_text
@@ -114,8 +118,9 @@ def test_a_streamed_completion_equals_llm_generate_token_for_token(client, offli
 def test_a_chat_completion_equals_llm_chat(client, offline, stream):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
     (want,) = offline.chat(messages, SamplingParams(max_tokens=20), use_tqdm=False)
-    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20,
-                                           temperature=0, stream=stream)  # fmt: skip
+    reply = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=20, temperature=0, stream=stream
+    )
     if stream:
         chunks = list(reply)
         assert chunks[0].choices[0].delta.role == "assistant"
@@ -146,8 +151,9 @@ def test_a_stop_string_cuts_the_text_and_finishes_with_stop(client, offline, str
     want_ids, want_text, _ = offline_ids(offline, "Hello", max_tokens=30, ignore_eos=True)
     stop = want_text[7:9]  # two characters the completion reaches at its 8th token
     cut = want_text[: want_text.index(stop)]
-    reply = client.completions.create(model=MODEL, prompt="Hello", max_tokens=30, stop=[stop],
-                                      temperature=0, stream=stream)  # fmt: skip
+    reply = client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=30, stop=[stop], temperature=0, stream=stream
+    )
     chunks = list(reply) if stream else [reply]
     assert "".join(c.choices[0].text for c in chunks) == cut
     assert chunks[-1].choices[0].finish_reason == "stop"
@@ -158,8 +164,13 @@ def test_a_stop_string_cuts_the_text_and_finishes_with_stop(client, offline, str
 def test_a_stop_token_id_finishes_the_request_at_that_token(client, offline):
     want_ids, _, _ = offline_ids(offline, [1, 2, 3], max_tokens=20, ignore_eos=True)
     stop_id = want_ids[5]
-    got = client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=20, temperature=0,
-                                    extra_body={"stop_token_ids": [stop_id]})  # fmt: skip
+    got = client.completions.create(
+        model=MODEL,
+        prompt=[1, 2, 3],
+        max_tokens=20,
+        temperature=0,
+        extra_body={"stop_token_ids": [stop_id]},
+    )
     ids = got.choices[0].model_extra["token_ids"]
     assert ids == want_ids[: want_ids.index(stop_id) + 1]
     assert got.choices[0].finish_reason == "stop"
@@ -171,8 +182,14 @@ def test_a_stop_token_id_finishes_the_request_at_that_token(client, offline):
 async def stream_tokens(http, prompt, max_tokens: int, hang_up_after: int | None) -> list[int]:
     """Stream one completion's token ids; with hang_up_after, close the connection after that
     many chunks with tokens (a client that disconnects)."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     ids, num_chunks = [], 0
     async with http.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200, await response.aread()
@@ -222,15 +239,24 @@ def test_a_reader_that_falls_behind_gets_its_waiting_tokens_as_one_delta():
 
     async def main(coalesce):
         stream = RequestStream(0, asyncio.get_running_loop(), coalesce=coalesce)
-        items = [TokenDelta([]), TokenDelta([5]), TokenDelta([6, 7]), TokenDelta([8], "length"),
-                 TokenDelta([], "abort"), ValueError("late")]  # fmt: skip
+        items = [
+            TokenDelta([]),
+            TokenDelta([5]),
+            TokenDelta([6, 7]),
+            TokenDelta([8], "length"),
+            TokenDelta([], "abort"),
+            ValueError("late"),
+        ]
         for item in items:  # all put before the reader looks: it is five deliveries behind
             stream.put(item)
         return [await stream.get() for _ in range(len(items) if not coalesce else 4)]
 
     joined = asyncio.run(main(coalesce=True))
-    assert joined[:3] == [TokenDelta([]), TokenDelta([5, 6, 7, 8], "length"),
-                          TokenDelta([], "abort")]  # fmt: skip
+    assert joined[:3] == [
+        TokenDelta([]),
+        TokenDelta([5, 6, 7, 8], "length"),
+        TokenDelta([], "abort"),
+    ]
     assert isinstance(joined[3], ValueError)  # the accepted delta, an end and an error stay alone
     one_by_one = [TokenDelta([]), TokenDelta([5]), TokenDelta([6, 7]), TokenDelta([8], "length")]
     assert asyncio.run(main(coalesce=False))[:4] == one_by_one
@@ -277,8 +303,9 @@ BAD_COMPLETIONS = [  # (body, status, param)
 ]
 
 
-@pytest.mark.parametrize(("body", "status", "param"), BAD_COMPLETIONS,
-                         ids=[f"{p}-{s}" for _, s, p in BAD_COMPLETIONS])  # fmt: skip
+@pytest.mark.parametrize(
+    ("body", "status", "param"), BAD_COMPLETIONS, ids=[f"{p}-{s}" for _, s, p in BAD_COMPLETIONS]
+)
 def test_a_bad_completion_request_is_a_4xx_naming_the_field(served, body, status, param):
     response = httpx.post(f"{served[0]}/v1/completions", json=body, timeout=TIMEOUT)
     assert response.status_code == status, response.text
@@ -327,8 +354,14 @@ def test_models_health_and_metrics(served, client):
     assert httpx.get(f"{url}/health").json() == {"status": "ok"}
     client.completions.create(model=MODEL, prompt="count me", max_tokens=5)
     text = httpx.get(f"{url}/metrics").text
-    for name in ("requests_running", "requests_waiting", "kv_blocks_used", "kv_blocks_free",
-                 "prefix_cache_hit_rate", "generation_tokens_total"):  # fmt: skip
+    for name in (
+        "requests_running",
+        "requests_waiting",
+        "kv_blocks_used",
+        "kv_blocks_free",
+        "prefix_cache_hit_rate",
+        "generation_tokens_total",
+    ):
         assert re.search(rf"^nanoserve_{name} \d", text, re.M), name
     for name in ("time_to_first_token_seconds", "inter_token_latency_seconds"):
         assert f"# TYPE nanoserve_{name} histogram" in text
@@ -361,10 +394,34 @@ def test_an_api_key_guards_every_route_but_health_and_the_server_stops_cleanly(f
 def test_bench_serve_times_the_workload_offline_and_over_http(folder, capsys):
     from nanoserve.cli import main
 
-    args = ["bench", "--serve", "--model", folder, "--device", "cpu", "--dtype", "float64",
-            "--num-seqs", "6", "--max-input-len", "16", "--max-output-len", "8",
-            "--max-model-len", "64", "--block-size", "4", "--num-kv-blocks", "64",
-            "--request-rate", "100", "--seed", "3", "--client-processes", "2"]  # fmt: skip
+    args = [
+        "bench",
+        "--serve",
+        "--model",
+        folder,
+        "--device",
+        "cpu",
+        "--dtype",
+        "float64",
+        "--num-seqs",
+        "6",
+        "--max-input-len",
+        "16",
+        "--max-output-len",
+        "8",
+        "--max-model-len",
+        "64",
+        "--block-size",
+        "4",
+        "--num-kv-blocks",
+        "64",
+        "--request-rate",
+        "100",
+        "--seed",
+        "3",
+        "--client-processes",
+        "2",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     row = (
@@ -379,9 +436,14 @@ def test_bench_serve_times_the_workload_offline_and_over_http(folder, capsys):
 
 @pytest.mark.parametrize(
     ("flag", "value"),
-    [("--client-processes", "0"), ("--max-concurrency", "-2"), ("--request-rate", "0"),
-     ("--request-rate", "fast"), ("--request-rate", "nan")],
-)  # fmt: skip
+    [
+        ("--client-processes", "0"),
+        ("--max-concurrency", "-2"),
+        ("--request-rate", "0"),
+        ("--request-rate", "fast"),
+        ("--request-rate", "nan"),
+    ],
+)
 def test_bench_serve_refuses_a_bad_client_option_naming_it(flag, value, capsys):
     from nanoserve.cli import main
 
@@ -437,14 +499,18 @@ def test_an_engine_process_serves_the_offline_tokens_and_a_killed_one_fails_clea
     with ServerThread(app, timeout=TIMEOUT) as url:
         api = openai.OpenAI(base_url=f"{url}/v1", api_key="-", timeout=TIMEOUT, max_retries=0)
         want_ids, want_text, _ = offline_ids(offline, "Once upon a time", max_tokens=30)
-        chunks = list(api.completions.create(model=MODEL, prompt="Once upon a time", stream=True,
-                                             max_tokens=30, temperature=0))  # fmt: skip
+        chunks = list(
+            api.completions.create(
+                model=MODEL, prompt="Once upon a time", stream=True, max_tokens=30, temperature=0
+            )
+        )
         assert [t for c in chunks for t in c.choices[0].model_extra["token_ids"]] == want_ids
         assert "".join(c.choices[0].text for c in chunks) == want_text
         messages = [{"role": "user", "content": "Hi!"}]
         (want,) = offline.chat(messages, SamplingParams(max_tokens=12), use_tqdm=False)
-        reply = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
-                                            temperature=0)  # fmt: skip
+        reply = api.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=12, temperature=0
+        )
         assert reply.choices[0].message.content == want.text
         too_long = {"model": MODEL, "prompt": list(range(100))}  # max_model_len is 96
         rejected = httpx.post(f"{url}/v1/completions", json=too_long)

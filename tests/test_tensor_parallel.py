@@ -27,17 +27,24 @@ CPU = dict(device="cpu", dtype="float64", kv_cache_bytes=2**24, max_model_len=51
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-def tiny_sharded_model(folder: Path, family: str, vocab_size: int, heads: int, kv_heads: int,
-                       **extra) -> str:  # fmt: skip
+def tiny_sharded_model(
+    folder: Path, family: str, vocab_size: int, heads: int, kv_heads: int, **extra
+) -> str:
     """A tiny float64 checkpoint with a chosen head split and vocabulary, saved for the loader."""
     import transformers
 
     kinds = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
     config = getattr(transformers, f"{kinds[family]}Config")(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=16,
-        max_position_embeddings=512, **extra,
-    )  # fmt: skip
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=16,
+        max_position_embeddings=512,
+        **extra,
+    )
     torch.manual_seed(0)
     model = getattr(transformers, f"{kinds[family]}ForCausalLM")(config).to(torch.float64)
     model.save_pretrained(folder)
@@ -71,8 +78,7 @@ def generate(model: str, stage: int, tp: int, requests, **options):
     ],
     ids=["llama-gqa4-vocab515", "qwen2-bias-tied", "qwen3-qknorm"],
 )
-def test_two_ranks_generate_the_tokens_of_one(tmp_path, family, vocab_size, heads, kv_heads,
-                                              extra):  # fmt: skip
+def test_two_ranks_generate_the_tokens_of_one(tmp_path, family, vocab_size, heads, kv_heads, extra):
     model = tiny_sharded_model(tmp_path, family, vocab_size, heads, kv_heads, **extra)
     requests = engine_requests(lengths=(5, 17, 33, 9), vocab_size=vocab_size)
     one, _ = generate(model, 8, 1, requests)
@@ -135,8 +141,9 @@ def run_script(body: str, tmp_path: Path, *args: str, interrupt_after: str | Non
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(body))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE, text=True,
-                            env=env)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, str(script), *args], stdout=subprocess.PIPE, text=True, env=env
+    )
     lines = []
     for line in proc.stdout:
         lines.append(line)

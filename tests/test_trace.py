@@ -14,8 +14,15 @@ def traced(llm: LLM, prompts, max_tokens: int) -> list[str]:
 
 def test_trace_shows_prefill_then_decode_with_the_slots_written(tiny_checkpoints):
     folder, _ = tiny_checkpoints["llama"]
-    llm = LLM(str(folder), stage=4, device="cpu", dtype="float64", block_size=4, num_kv_blocks=8,
-              max_model_len=32)  # fmt: skip
+    llm = LLM(
+        str(folder),
+        stage=4,
+        device="cpu",
+        dtype="float64",
+        block_size=4,
+        num_kv_blocks=8,
+        max_model_len=32,
+    )
     prompt = [11, 12, 13, 14, 21, 22, 23, 24, 31, 32, 33]  # the seed's prompt A
     prefill, decode_12, decode_13 = traced(llm, [prompt], max_tokens=3)
     assert prefill.startswith("step 1 prefill  seqs 1  free blocks 5/8  preempted 0")
@@ -35,8 +42,15 @@ def test_trace_of_the_slab_engine_names_the_slab(tiny_checkpoints):
 
 def test_trace_of_the_block_table_engine_shows_tables_and_free_blocks(tiny_checkpoints):
     folder, _ = tiny_checkpoints["llama"]
-    llm = LLM(str(folder), stage=3, device="cpu", dtype="float64", block_size=4, num_kv_blocks=8,
-              max_model_len=32)  # fmt: skip
+    llm = LLM(
+        str(folder),
+        stage=3,
+        device="cpu",
+        dtype="float64",
+        block_size=4,
+        num_kv_blocks=8,
+        max_model_len=32,
+    )
     lines = traced(llm, [list(range(1, 12))], max_tokens=2)
     assert "free blocks 5/8" in lines[0] and "blocks [0, 1, 2]" in lines[0]
     assert "slots [11]" in lines[1]
@@ -46,8 +60,16 @@ def test_trace_marks_a_block_shared_by_two_sequences_with_its_holders(tiny_check
     from nanoserve.engine.prefix_block_manager import PrefixBlockManager
 
     folder, _ = tiny_checkpoints["llama"]
-    llm = LLM(str(folder), stage=4, device="cpu", dtype="float64", block_size=4, max_model_len=32,
-              max_num_seqs=1, components={"BlockManager": PrefixBlockManager})  # fmt: skip
+    llm = LLM(
+        str(folder),
+        stage=4,
+        device="cpu",
+        dtype="float64",
+        block_size=4,
+        max_model_len=32,
+        max_num_seqs=1,
+        components={"BlockManager": PrefixBlockManager},
+    )
     a = [11, 12, 13, 14, 21, 22, 23, 24, 31, 32, 33]  # the seed's prompts A and B
     b = [11, 12, 13, 14, 51, 52, 53, 54, 61, 62, 63, 64, 71]
     lines = traced(llm, [a, b], max_tokens=20)

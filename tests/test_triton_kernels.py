@@ -70,8 +70,9 @@ def fused_kv(num_tokens, num_heads, num_kv_heads, head_dim, dtype, device, gen):
 class PagedBatch:
     """A pool poisoned with NaN, sequences on shuffled blocks, their K/V stored by the oracle."""
 
-    def __init__(self, context_lens, heads: Heads, block_size, dtype, device=DEVICE,
-                 padding_rows=0):  # fmt: skip
+    def __init__(
+        self, context_lens, heads: Heads, block_size, dtype, device=DEVICE, padding_rows=0
+    ):
         self.gen = torch.Generator(device).manual_seed(0)
         num_heads, num_kv_heads, head_dim = heads
         self.num_heads, self.head_dim = num_heads, head_dim
@@ -199,8 +200,9 @@ def run_decode(batch: PagedBatch, **launch):
     """Kernel output (B, H, D), its non-padding rows, and their float64 reference."""
     q = batch.queries(len(batch.context_lens))
     metadata = (batch.lens, batch.block_tables)
-    got = paged_attention_decode(q, batch.k_cache, batch.v_cache, *metadata, batch.head_dim**-0.5,
-                                 **launch)  # fmt: skip
+    got = paged_attention_decode(
+        q, batch.k_cache, batch.v_cache, *metadata, batch.head_dim**-0.5, **launch
+    )
     live = [b for b, n in enumerate(batch.context_lens) if n > 0]
     want = torch.cat([batch.reference(q[b : b + 1], b, 1) for b in live])
     return got, got[live], want
@@ -261,8 +263,13 @@ def test_auto_keeps_the_torch_path_on_a_cpu_at_the_kernel_stages():
 def test_a_kernel_component_on_the_torch_backend_is_refused(tiny_checkpoints):
     folder, _ = tiny_checkpoints["llama"]
     with pytest.raises(ValueError, match=r"run only on stage 5's 'triton' backend"):
-        LLM(str(folder), stage=5, device="cpu", attention_backend="torch",
-            components={"store_kvcache": store_kvcache})  # fmt: skip
+        LLM(
+            str(folder),
+            stage=5,
+            device="cpu",
+            attention_backend="torch",
+            components={"store_kvcache": store_kvcache},
+        )
 
 
 # ---------------------------------------------------------------------------------------------

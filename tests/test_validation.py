@@ -36,11 +36,20 @@ def model_config(max_position_embeddings: int = 4096) -> ModelConfig:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("top_k", 2.5), ("top_k", 2.0), ("top_k", "2"), ("top_k", True),
-        ("max_tokens", 8.0), ("max_tokens", "8"), ("max_tokens", True), ("max_tokens", None),
-        ("seed", 1.5), ("seed", "7"), ("seed", True), ("seed", torch.tensor(7)),
+        ("top_k", 2.5),
+        ("top_k", 2.0),
+        ("top_k", "2"),
+        ("top_k", True),
+        ("max_tokens", 8.0),
+        ("max_tokens", "8"),
+        ("max_tokens", True),
+        ("max_tokens", None),
+        ("seed", 1.5),
+        ("seed", "7"),
+        ("seed", True),
+        ("seed", torch.tensor(7)),
     ],
-)  # fmt: skip
+)
 def test_an_int_field_given_a_float_str_or_bool_is_rejected_naming_the_field(field, value):
     with rejects(SamplingParams, field, value):
         SamplingParams(**{field: value})
@@ -49,11 +58,18 @@ def test_an_int_field_given_a_float_str_or_bool_is_rejected_naming_the_field(fie
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("temperature", math.inf), ("temperature", -math.inf), ("temperature", math.nan),
-        ("temperature", True), ("temperature", "0.7"), ("temperature", None),
-        ("top_p", math.nan), ("top_p", math.inf), ("top_p", True), ("top_p", "0.9"),
+        ("temperature", math.inf),
+        ("temperature", -math.inf),
+        ("temperature", math.nan),
+        ("temperature", True),
+        ("temperature", "0.7"),
+        ("temperature", None),
+        ("top_p", math.nan),
+        ("top_p", math.inf),
+        ("top_p", True),
+        ("top_p", "0.9"),
     ],
-)  # fmt: skip
+)
 def test_a_float_field_that_is_not_a_finite_number_is_rejected_naming_the_field(field, value):
     with rejects(SamplingParams, field, value):
         SamplingParams(**{field: value})
@@ -62,10 +78,15 @@ def test_a_float_field_that_is_not_a_finite_number_is_rejected_naming_the_field(
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("temperature", -0.1), ("top_k", 0), ("top_k", -1), ("top_p", 0.0), ("top_p", 1.5),
-        ("max_tokens", 0), ("max_tokens", -3),
+        ("temperature", -0.1),
+        ("top_k", 0),
+        ("top_k", -1),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("max_tokens", 0),
+        ("max_tokens", -3),
     ],
-)  # fmt: skip
+)
 def test_a_value_out_of_range_is_rejected_naming_the_field(field, value):
     with rejects(SamplingParams, field, value):
         SamplingParams(**{field: value})
@@ -117,12 +138,19 @@ def test_stop_token_ids_with_an_element_that_is_no_token_id_is_rejected(ids):
 
 def test_ints_are_accepted_for_float_fields_and_numpy_numbers_become_python_numbers():
     params = SamplingParams(
-        temperature=1, top_p=np.float32(0.5), top_k=np.int64(3), max_tokens=np.int32(4),
+        temperature=1,
+        top_p=np.float32(0.5),
+        top_k=np.int64(3),
+        max_tokens=np.int32(4),
         seed=np.uint64(2**64 - 1),
-    )  # fmt: skip
+    )
     assert (params.temperature, params.top_p, params.top_k, params.max_tokens, params.seed) == (
-        1.0, 0.5, 3, 4, 2**64 - 1,
-    )  # fmt: skip
+        1.0,
+        0.5,
+        3,
+        4,
+        2**64 - 1,
+    )
     assert [type(v) for v in (params.temperature, params.top_p)] == [float, float]
     assert [type(v) for v in (params.top_k, params.max_tokens, params.seed)] == [int, int, int]
     assert make_generator(params, torch.device("cpu")).initial_seed() == 2**64 - 1
@@ -217,6 +245,7 @@ def test_a_misspelt_engine_option_is_rejected_listing_the_valid_names():
 
 
 def test_engine_options_are_exactly_the_engine_config_fields():
-    config = engine_config_for(model_config(), **{name: getattr(EngineConfig(), name)
-                                                  for name in ENGINE_OPTIONS})  # fmt: skip
+    config = engine_config_for(
+        model_config(), **{name: getattr(EngineConfig(), name) for name in ENGINE_OPTIONS}
+    )
     assert config == EngineConfig()

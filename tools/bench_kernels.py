@@ -88,9 +88,13 @@ class DecodeCase:
     def sdpa(self, q, k_dense, v_dense) -> torch.Tensor:
         """SDPA (enable_gqa) of one query per row over the contiguous copy; (B, H, D)."""
         out = F.scaled_dot_product_attention(
-            q[:, :, None], k_dense, v_dense, attn_mask=self.pad_mask, scale=self.scale,
+            q[:, :, None],
+            k_dense,
+            v_dense,
+            attn_mask=self.pad_mask,
+            scale=self.scale,
             enable_gqa=True,
-        )  # fmt: skip
+        )
         return out[:, :, 0]
 
 
@@ -124,15 +128,20 @@ def flex_decode_fn(case: DecodeCase):
     kv_num_blocks = ((lens + bs - 1) // bs).view(batch, 1, 1)
     kv_indices = tables.clamp(min=0).view(batch, 1, 1, width)
     block_mask = BlockMask.from_kv_blocks(
-        kv_num_blocks, kv_indices, BLOCK_SIZE=(16, bs), mask_mod=mask_mod,
-        seq_lengths=(1, num_blocks * bs), compute_q_blocks=False,
-    )  # fmt: skip
+        kv_num_blocks,
+        kv_indices,
+        BLOCK_SIZE=(16, bs),
+        mask_mod=mask_mod,
+        seq_lengths=(1, num_blocks * bs),
+        compute_q_blocks=False,
+    )
     k_flat = case.k_cache.view(1, num_blocks * bs, hkv, d).transpose(1, 2)  # (1, H_kv, S, D)
     v_flat = case.v_cache.view(1, num_blocks * bs, hkv, d).transpose(1, 2)
     flex = torch.compile(flex_attention, dynamic=False)
     q = case.q[:, :, None]  # (B, H, 1, D)
-    return lambda: flex(q, k_flat, v_flat, block_mask=block_mask, scale=case.scale,
-                        enable_gqa=True)[:, :, 0]  # fmt: skip
+    return lambda: flex(
+        q, k_flat, v_flat, block_mask=block_mask, scale=case.scale, enable_gqa=True
+    )[:, :, 0]
 
 
 def report(name: str, fn, case: DecodeCase, iters: int) -> None:
@@ -161,23 +170,33 @@ def triton_configs(sweep: bool):
 def bench_decode(args: argparse.Namespace) -> None:
     case = DecodeCase(args)
     lens = case.context_lens
-    print(f"decode: batch {args.batch}, context {'<= ' if args.ragged else ''}{args.context} "
-          f"(mean {lens.float().mean():.0f}), H {args.heads}, H_kv {args.kv_heads}, "
-          f"D {args.head_dim}, block_size {args.block_size}, {args.dtype}; "
-          f"K/V read {case.kv_bytes / 1e9:.3f} GB per call")  # fmt: skip
+    print(
+        f"decode: batch {args.batch}, context {'<= ' if args.ragged else ''}{args.context} "
+        f"(mean {lens.float().mean():.0f}), H {args.heads}, H_kv {args.kv_heads}, "
+        f"D {args.head_dim}, block_size {args.block_size}, {args.dtype}; "
+        f"K/V read {case.kv_bytes / 1e9:.3f} GB per call"
+    )
     print(f"{'kernel':<52} {'us':>9} {'TB/s':>8} {'max err':>10}")
     args_ = (case.q, case.k_cache, case.v_cache, case.context_lens, case.block_tables, case.scale)
     for label, kw in triton_configs(args.sweep):
         report(label, lambda kw=kw: paged_attention_decode(*args_, **kw), case, args.iters)
-    report("torch gather (stage 04: k_cache[tables]) + SDPA", lambda: gather_decode(case), case,
-           args.iters)  # fmt: skip
+    report(
+        "torch gather (stage 04: k_cache[tables]) + SDPA",
+        lambda: gather_decode(case),
+        case,
+        args.iters,
+    )
     if not args.no_flex:
         try:
             report("torch FlexAttention paged (compiled)", flex_decode_fn(case), case, args.iters)
         except Exception as exc:
             print(f"torch FlexAttention paged: setup failed: {type(exc).__name__}: {exc}")
-    report("SDPA over a contiguous copy (copy not timed)",
-           lambda: case.sdpa(case.q, case.k_dense, case.v_dense), case, args.iters)  # fmt: skip
+    report(
+        "SDPA over a contiguous copy (copy not timed)",
+        lambda: case.sdpa(case.q, case.k_dense, case.v_dense),
+        case,
+        args.iters,
+    )
 
 
 def bench_prefill(args: argparse.Namespace) -> None:
@@ -198,8 +217,9 @@ def bench_prefill(args: argparse.Namespace) -> None:
     flops = 4 * num_seqs * args.heads * d * length * length / 2  # causal: half the scores
 
     def sdpa():
-        return F.scaled_dot_product_attention(q_dense, k_dense, v_dense, is_causal=True,
-                                              scale=d**-0.5, enable_gqa=True)  # fmt: skip
+        return F.scaled_dot_product_attention(
+            q_dense, k_dense, v_dense, is_causal=True, scale=d**-0.5, enable_gqa=True
+        )
 
     def paged():
         return paged_attention_prefill(q, k_cache, v_cache, cu, lens, order, length, d**-0.5)

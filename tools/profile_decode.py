@@ -67,15 +67,23 @@ def main() -> None:
     parser.add_argument("--graphs", action="store_true", help="capture decode graphs first")
     parser.add_argument("--fuse", action="store_true", help="torch.compile the small ops first")
     args = parser.parse_args()
-    llm = LLM(args.model, stage=args.stage, max_num_seqs=max(args.batch, 1),
-              attention_backend=args.attention_backend)  # fmt: skip
+    llm = LLM(
+        args.model,
+        stage=args.stage,
+        max_num_seqs=max(args.batch, 1),
+        attention_backend=args.attention_backend,
+    )
     engine, runner = llm.engine, llm.engine.runner
     if args.fuse:
         fuse_small_ops(runner.model)
     if args.graphs and runner.graphs is None:
-        runner.graphs = DecodeGraphs(runner.model, runner.attention, args.batch,
-                                     table_width(llm.config.max_model_len, llm.config.block_size),
-                                     runner.device)  # fmt: skip
+        runner.graphs = DecodeGraphs(
+            runner.model,
+            runner.attention,
+            args.batch,
+            table_width(llm.config.max_model_len, llm.config.block_size),
+            runner.device,
+        )
         runner.graphs.capture()
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.steps + 8)
     for i in range(args.batch):
@@ -87,8 +95,10 @@ def main() -> None:
     medians = {name: statistics.median(ms) for name, ms in laps.ms.items()}
     total = sum(medians.values())
     graphs = "on" if runner.graphs else "off"
-    print(f"stage {args.stage} ({engine.attention.name}, graphs {graphs}), batch {batch_size}, "
-          f"context ~{args.context}: median ms per decode step")  # fmt: skip
+    print(
+        f"stage {args.stage} ({engine.attention.name}, graphs {graphs}), batch {batch_size}, "
+        f"context ~{args.context}: median ms per decode step"
+    )
     for name, median in medians.items():
         print(f"  {name:<12} {median:8.3f} ms  {100 * median / total:5.1f} %")
     print(f"  {'total':<12} {total:8.3f} ms  = {batch_size / total * 1e3:,.0f} tok/s at this batch")

@@ -63,8 +63,9 @@ class ChildProcess:
         context = mp.get_context("spawn")  # a fresh interpreter: CUDA cannot be forked
         self.name = name
         self.conn, theirs = context.Pipe()
-        self.process = context.Process(target=run_child, args=(target, theirs, args), name=name,
-                                       daemon=daemon)  # fmt: skip
+        self.process = context.Process(
+            target=run_child, args=(target, theirs, args), name=name, daemon=daemon
+        )
         self.process.start()
         theirs.close()  # ours is now the only handle: the child sees EOF when we go
 
@@ -137,8 +138,12 @@ def broadcast(children: Sequence[ChildProcess], message) -> int:
     return len(payload)
 
 
-def receive_all(children: Sequence[ChildProcess], kind: type = object,
-                timeout_s: float | None = None, doing: str = "answer") -> list:  # fmt: skip
+def receive_all(
+    children: Sequence[ChildProcess],
+    kind: type = object,
+    timeout_s: float | None = None,
+    doing: str = "answer",
+) -> list:
     """One message (a `kind`) from each child, in their order; ChildDied as soon as any fails,
     so a child that dies is noticed while another is still awaited."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s

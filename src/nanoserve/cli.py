@@ -99,8 +99,9 @@ def make_llm(args):
     """An LLM for the chosen model, stage, device and dtype."""
     from nanoserve.llm import LLM
 
-    return LLM(args.model, stage=args.stage, device=args.device, dtype=args.dtype,
-               **engine_options(args))  # fmt: skip
+    return LLM(
+        args.model, stage=args.stage, device=args.device, dtype=args.dtype, **engine_options(args)
+    )
 
 
 def cmd_generate(args) -> int:
@@ -166,8 +167,10 @@ def cmd_serve(args) -> int:
     try:
         from nanoserve.serving.server import create_app, run_server
     except ImportError as err:
-        raise ValueError(f"serving needs FastAPI and uvicorn ({err}); install them with "
-                         "pip install 'nanoserve[serve]'") from None  # fmt: skip
+        raise ValueError(
+            f"serving needs FastAPI and uvicorn ({err}); install them with "
+            "pip install 'nanoserve[serve]'"
+        ) from None
     name = args.served_model_name or args.model
     if args.engine_in_process:
         llm = make_llm(args)
@@ -175,13 +178,21 @@ def cmd_serve(args) -> int:
     else:
         from nanoserve.serving.engine_process import EngineClient
 
-        llm = EngineClient(args.model, stage=args.stage, device=args.device, dtype=args.dtype,
-                           **engine_options(args))  # fmt: skip
+        llm = EngineClient(
+            args.model,
+            stage=args.stage,
+            device=args.device,
+            dtype=args.dtype,
+            **engine_options(args),
+        )
         # EngineClient stands in for both the LLM and its AsyncEngine (duck-typed, no Protocol)
         app = create_app(llm, name, args.api_key, args.max_body_bytes, loop=llm)  # type: ignore[arg-type]
     where = "this process" if args.engine_in_process else "its own process"
-    print(f"nanoserve serve: {args.model}, stage {llm.stage.number} (engine loop in {where}), "
-          f"http://{args.host}:{args.port}/v1", flush=True)  # fmt: skip
+    print(
+        f"nanoserve serve: {args.model}, stage {llm.stage.number} (engine loop in {where}), "
+        f"http://{args.host}:{args.port}/v1",
+        flush=True,
+    )
     run_server(app, args.host, args.port, args.log_level)
     return 0
 
@@ -192,8 +203,14 @@ def cmd_bench(args) -> int:
     return run_bench(args)
 
 
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "stages": cmd_stages,
-            "check": cmd_check, "serve": cmd_serve, "bench": cmd_bench}  # fmt: skip
+COMMANDS = {
+    "generate": cmd_generate,
+    "chat": cmd_chat,
+    "stages": cmd_stages,
+    "check": cmd_check,
+    "serve": cmd_serve,
+    "bench": cmd_bench,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

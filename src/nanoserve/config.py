@@ -33,8 +33,13 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # stage 09: processes (ranks) that each hold a slice of the model
 
     def __post_init__(self):
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                     "tensor_parallel_size"):  # fmt: skip
+        for name in (
+            "max_model_len",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "block_size",
+            "tensor_parallel_size",
+        ):
             self._require_count(name, optional=False)
         for name in ("num_slabs", "num_kv_blocks", "kv_cache_bytes"):
             self._require_count(name, optional=True)

@@ -29,26 +29,46 @@ from nanoserve.sampling import filter_probs, sample_one
 from nanoserve.serving.async_engine import AsyncEngine
 
 _API: dict[int, dict[str, Any]] = {
-    0: {"rms_norm": rms_norm, "rotate_half": rotate_half, "rope_inv_freq": rope_inv_freq,
-        "rope_cos_sin": rope_cos_sin, "apply_rotary": apply_rotary, "attend": attend,
-        "swiglu": swiglu, "filter_probs": filter_probs, "sample": sample_one},
+    0: {
+        "rms_norm": rms_norm,
+        "rotate_half": rotate_half,
+        "rope_inv_freq": rope_inv_freq,
+        "rope_cos_sin": rope_cos_sin,
+        "apply_rotary": apply_rotary,
+        "attend": attend,
+        "swiglu": swiglu,
+        "filter_probs": filter_probs,
+        "sample": sample_one,
+    },
     1: {"SlabManager": SlabManager, "store_slab": store_slab, "load_slab": load_slab},
     2: {"OutOfBlocks": OutOfBlocks, "BlockAllocator": BlockAllocator},
     3: {"BlockPosition": BlockPosition, "BlockTable": BlockTable},
-    4: {"BlockManager": BlockManager, "store_kvcache": store_kvcache, "gather_kv": gather_kv,
-        "prepare_prefill": prepare_prefill, "prepare_decode": prepare_decode},
+    4: {
+        "BlockManager": BlockManager,
+        "store_kvcache": store_kvcache,
+        "gather_kv": gather_kv,
+        "prepare_prefill": prepare_prefill,
+        "prepare_decode": prepare_decode,
+    },
     7: {"chain_hash": chain_hash, "PrefixBlockManager": PrefixBlockManager},
-    8: {"graph_buckets": graph_buckets, "bucket_for": bucket_for, "pad_decode": pad_decode,
-        "fill_static": fill_static},
-    9: {"shard_range": shard_range, "padded_shard_range": padded_shard_range,
+    8: {
+        "graph_buckets": graph_buckets,
+        "bucket_for": bucket_for,
+        "pad_decode": pad_decode,
+        "fill_static": fill_static,
+    },
+    9: {
+        "shard_range": shard_range,
+        "padded_shard_range": padded_shard_range,
         "ColumnParallelLinear": linear.ColumnParallelLinear,
         "MergedColumnParallelLinear": linear.MergedColumnParallelLinear,
         "QKVParallelLinear": linear.QKVParallelLinear,
         "RowParallelLinear": linear.RowParallelLinear,
         "VocabParallelEmbedding": embedding.VocabParallelEmbedding,
-        "ParallelLMHead": embedding.ParallelLMHead},
+        "ParallelLMHead": embedding.ParallelLMHead,
+    },
     10: {"AsyncEngine": AsyncEngine},
-}  # fmt: skip
+}
 
 
 def _triton_api(stage: int) -> dict[str, Any]:
@@ -60,8 +80,10 @@ def _triton_api(stage: int) -> dict[str, Any]:
     from nanoserve.kernels.paged_decode import paged_attention_decode
     from nanoserve.kernels.paged_prefill import paged_attention_prefill
 
-    return {"paged_attention_prefill": paged_attention_prefill,
-            "paged_attention_decode": paged_attention_decode}  # fmt: skip
+    return {
+        "paged_attention_prefill": paged_attention_prefill,
+        "paged_attention_decode": paged_attention_decode,
+    }
 
 
 def has_learner_api(stage: int) -> bool:

@@ -24,8 +24,12 @@ from nanoserve.stages import latest_stage, require_implemented
 from nanoserve.types import ModelSpec
 from nanoserve.types import Sequence as Seq
 
-DTYPES = {"float64": torch.float64, "float32": torch.float32,
-          "bfloat16": torch.bfloat16, "float16": torch.float16}  # fmt: skip
+DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 
 
 @dataclass
@@ -81,8 +85,15 @@ def chat_prompt(tokenizer, conversation: list[dict]) -> str:
 class LLM:
     """A model plus the engine of one stage."""
 
-    def __init__(self, model: str = DEFAULT_MODEL, stage: int | None = None, device=None,
-                 dtype=None, components: dict | None = None, **engine_options):  # fmt: skip
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        stage: int | None = None,
+        device=None,
+        dtype=None,
+        components: dict | None = None,
+        **engine_options,
+    ):
         """Load `model` and build the engine as of `stage` (default: the newest).
 
         `components` replaces pieces of the stage's reference with your own, by their API names
@@ -223,5 +234,10 @@ class LLM:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def _output(self, prompt: str | None, seq) -> RequestOutput:
-        return RequestOutput(prompt, seq.prompt_token_ids, self._decode(seq.completion_token_ids),
-                             seq.completion_token_ids, seq.finish_reason)  # fmt: skip
+        return RequestOutput(
+            prompt,
+            seq.prompt_token_ids,
+            self._decode(seq.completion_token_ids),
+            seq.completion_token_ids,
+            seq.finish_reason,
+        )

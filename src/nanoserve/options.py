@@ -54,8 +54,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """EngineConfig fields as --flags; unset ones keep the engine's defaults."""
     group = parser.add_argument_group("engine options")
     for field in fields(EngineConfig):
-        group.add_argument("--" + field.name.replace("_", "-"), default=None,
-                           type=FLAG_TYPES[str(field.type)])  # fmt: skip
+        group.add_argument(
+            "--" + field.name.replace("_", "-"), default=None, type=FLAG_TYPES[str(field.type)]
+        )
 
 
 def engine_options(args) -> dict:

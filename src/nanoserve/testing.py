@@ -73,8 +73,9 @@ def tiny_tokenizer():
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, chat_template=TINY_CHAT_TEMPLATE)
-    fast.add_special_tokens({"eos_token": "<|im_end|>",
-                             "additional_special_tokens": ["<|im_start|>"]})  # fmt: skip
+    fast.add_special_tokens(
+        {"eos_token": "<|im_end|>", "additional_special_tokens": ["<|im_start|>"]}
+    )
     return fast
 
 
@@ -158,8 +159,9 @@ class ServerThread:
     def __init__(self, app, timeout: float = 30):
         import uvicorn
 
-        self.config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                     timeout_graceful_shutdown=5)  # fmt: skip
+        self.config = uvicorn.Config(
+            app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=5
+        )
         self.server = uvicorn.Server(self.config)
         self.timeout = timeout
         self.thread = threading.Thread(target=self.server.run, name="uvicorn-test", daemon=True)

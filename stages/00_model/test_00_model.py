@@ -388,8 +388,9 @@ def test_task_7_greedy_generation_that_recomputes_everything_matches_hugging_fac
     prompt = [5, 17, 200, 3]
     tokens = list(prompt)
     for _ in range(8):  # no KV cache: every step feeds the whole sequence again
-        logits = forward_with(impl, tiny_llama, torch.tensor(tokens), torch.arange(len(tokens)),
-                              [0, len(tokens)])  # fmt: skip
+        logits = forward_with(
+            impl, tiny_llama, torch.tensor(tokens), torch.arange(len(tokens)), [0, len(tokens)]
+        )
         tokens.append(int(impl.sample(logits[-1], 0.0, None, 1.0, None)))
     ids = torch.tensor([prompt])
     hf_tokens = tiny_llama.generate(

@@ -43,8 +43,10 @@ def test_task_1_a_fresh_manager_hands_out_slabs_0_1_2_in_order(impl):
 def test_task_1_can_allocate_and_num_free_slabs_follow_the_admissions(impl):
     manager = impl.SlabManager(2)
     for num_admitted, can_allocate in [(0, True), (1, True), (2, False)]:
-        got = {"num_free_slabs": manager.num_free_slabs,
-               "can_allocate": manager.can_allocate(new_seq())}  # fmt: skip
+        got = {
+            "num_free_slabs": manager.num_free_slabs,
+            "can_allocate": manager.can_allocate(new_seq()),
+        }
         want = {"num_free_slabs": 2 - num_admitted, "can_allocate": can_allocate}
         assert_fields(f"with {num_admitted} of 2 slabs handed out", got, want)
         if can_allocate:
@@ -72,8 +74,11 @@ def test_task_2_a_sequence_holding_a_slab_can_always_append_and_nothing_moves(im
         assert manager.can_append(seq) is True, f"decode step {step}, with no slab free"
         manager.may_append(seq)
         seq.append_token(7)
-    got = {"seq.slab_id": seq.slab_id, "seq.num_cached_tokens": seq.num_cached_tokens,
-           "num_free_slabs": manager.num_free_slabs}  # fmt: skip
+    got = {
+        "seq.slab_id": seq.slab_id,
+        "seq.num_cached_tokens": seq.num_cached_tokens,
+        "num_free_slabs": manager.num_free_slabs,
+    }
     want = {"seq.slab_id": 0, "seq.num_cached_tokens": 5, "num_free_slabs": 0}
     assert_fields("after 40 decode steps", got, want)
 
@@ -98,8 +103,9 @@ def test_task_2_a_returned_slab_goes_to_the_next_sequence(impl):
     manager.deallocate(a)  # slab 0 is the only free one now
     manager.allocate(c)
     got = {"b.slab_id": b.slab_id, "c.slab_id": c.slab_id, "num_free_slabs": manager.num_free_slabs}
-    assert_fields("after a, b in, a out, c in", got, {"b.slab_id": 1, "c.slab_id": 0,
-                                                      "num_free_slabs": 0})  # fmt: skip
+    assert_fields(
+        "after a, b in, a out, c in", got, {"b.slab_id": 1, "c.slab_id": 0, "num_free_slabs": 0}
+    )
     manager.deallocate(b)
     manager.deallocate(c)
     assert manager.num_free_slabs == 2
@@ -211,8 +217,15 @@ def requests() -> tuple[list[list[int]], list[SamplingParams]]:
 
 
 def build(folder: str, stage: int, components=None, **options) -> LLM:
-    return LLM(folder, stage=stage, device="cpu", dtype="float64", components=components,
-               max_model_len=MAX_MODEL_LEN, **options)  # fmt: skip
+    return LLM(
+        folder,
+        stage=stage,
+        device="cpu",
+        dtype="float64",
+        components=components,
+        max_model_len=MAX_MODEL_LEN,
+        **options,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -245,8 +258,11 @@ def test_task_4_the_engine_with_your_pieces_reproduces_stage_00_greedy_tokens(
 def test_task_4_running_sequences_hold_distinct_slabs_and_the_rest_wait_their_turn(
     impl, tiny_llama_folder
 ):
-    components = {"SlabManager": impl.SlabManager, "store_slab": impl.store_slab,
-                  "load_slab": impl.load_slab}  # fmt: skip
+    components = {
+        "SlabManager": impl.SlabManager,
+        "store_slab": impl.store_slab,
+        "load_slab": impl.load_slab,
+    }
     llm = build(tiny_llama_folder, stage=1, components=components, num_slabs=ENGINE_SLABS)
     engine, scheduler = llm.engine, llm.engine.scheduler
     seqs = [engine.add_request(p, sp) for p, sp in zip(*requests())]

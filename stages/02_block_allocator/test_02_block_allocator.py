@@ -17,9 +17,12 @@ from nanoserve.testing import ENGINE_MAX_MODEL_LEN, ENGINE_PROMPT_LENGTHS, engin
 
 # derandomized: a learner sees the same examples on every run, so a grade never flickers
 GRADED = settings(
-    max_examples=150, deadline=None, derandomize=True, database=None,
+    max_examples=150,
+    deadline=None,
+    derandomize=True,
+    database=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture],
-)  # fmt: skip
+)
 
 
 # ---- task 1: a fresh pool ----
@@ -170,9 +173,16 @@ def block_table_engine(folder, impl):
     32 blocks of 4 tokens: admission reserves each request's worst case (prompt + max_tokens),
     up to 24 blocks for the 60-token prompt, so at most a few requests run and the rest wait.
     """
-    return LLM(folder, stage=3, device="cpu", dtype="float64",
-               components={"BlockAllocator": impl.BlockAllocator}, max_model_len=MAX_MODEL_LEN,
-               block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS)  # fmt: skip
+    return LLM(
+        folder,
+        stage=3,
+        device="cpu",
+        dtype="float64",
+        components={"BlockAllocator": impl.BlockAllocator},
+        max_model_len=MAX_MODEL_LEN,
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=NUM_KV_BLOCKS,
+    )
 
 
 def test_task_6_the_block_table_engine_on_your_allocator_reproduces_the_slab_engine(

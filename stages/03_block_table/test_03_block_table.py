@@ -20,9 +20,12 @@ from nanoserve.testing import ENGINE_MAX_MODEL_LEN, ENGINE_PROMPT_LENGTHS, engin
 
 # derandomized: a learner sees the same examples on every run, so a grade never flickers
 GRADED = settings(
-    max_examples=100, deadline=None, derandomize=True, database=None,
+    max_examples=100,
+    deadline=None,
+    derandomize=True,
+    database=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture],
-)  # fmt: skip
+)
 
 
 def all_slots(table):
@@ -245,9 +248,16 @@ def block_table_engine(folder, impl):
     so a few requests run at a time, and finished ones leave the free list scattered for the
     next; every token's K/V is written to, and read back from, the slot your table returns.
     """
-    return LLM(folder, stage=3, device="cpu", dtype="float64",
-               components={"BlockTable": impl.BlockTable}, max_model_len=MAX_MODEL_LEN,
-               block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS)  # fmt: skip
+    return LLM(
+        folder,
+        stage=3,
+        device="cpu",
+        dtype="float64",
+        components={"BlockTable": impl.BlockTable},
+        max_model_len=MAX_MODEL_LEN,
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=NUM_KV_BLOCKS,
+    )
 
 
 def test_task_6_the_block_table_engine_on_your_table_reproduces_the_slab_engine(

@@ -410,21 +410,24 @@ def test_task_3_gather_reads_blocks_of_block_size_rows_whatever_the_other_dimens
 
 def test_task_4_prefill_of_prompt_a_writes_slots_0_to_10(impl):
     step = impl.prepare_prefill([seq_of(A, [0, 1, 2])], 4, "cpu")
-    assert_step(step, {
-        "is_prefill": True,
-        "input_ids": A,
-        "positions": list(range(11)),
-        "slot_mapping": list(range(11)),
-        "cu_seqlens_q": [0, 11],
-        "cu_seqlens_k": [0, 11],
-        "context_lens": [11],
-        "block_tables": [[0, 1, 2]],
-        "max_seqlen_q": 11,
-        "max_seqlen_k": 11,
-        "host.cu_seqlens_q": [0, 11],
-        "host.context_lens": [11],
-        "host.block_tables": [[0, 1, 2]],
-    })  # fmt: skip
+    assert_step(
+        step,
+        {
+            "is_prefill": True,
+            "input_ids": A,
+            "positions": list(range(11)),
+            "slot_mapping": list(range(11)),
+            "cu_seqlens_q": [0, 11],
+            "cu_seqlens_k": [0, 11],
+            "context_lens": [11],
+            "block_tables": [[0, 1, 2]],
+            "max_seqlen_q": 11,
+            "max_seqlen_k": 11,
+            "host.cu_seqlens_q": [0, 11],
+            "host.context_lens": [11],
+            "host.block_tables": [[0, 1, 2]],
+        },
+    )
     assert_dtypes(step)
 
 
@@ -437,46 +440,55 @@ def test_task_4_slots_follow_a_fragmented_block_table(impl):
 
 def test_task_4_a_cached_prefix_is_skipped_in_q_but_counted_in_k(impl):
     b = seq_of(B, [0, 3, 4, 5], num_cached_tokens=4)  # the seed's B after a 4-token prefix hit
-    assert_step(impl.prepare_prefill([b], 4, "cpu"), {
-        "input_ids": B[4:],
-        "positions": list(range(4, 13)),
-        "cu_seqlens_q": [0, 9],
-        "cu_seqlens_k": [0, 13],
-        "slot_mapping": list(range(12, 21)),  # 12..15, 16..19 and 20
-        "block_tables": [[0, 3, 4, 5]],
-        "context_lens": [13],
-        "max_seqlen_q": 9,
-        "max_seqlen_k": 13,
-    })  # fmt: skip
+    assert_step(
+        impl.prepare_prefill([b], 4, "cpu"),
+        {
+            "input_ids": B[4:],
+            "positions": list(range(4, 13)),
+            "cu_seqlens_q": [0, 9],
+            "cu_seqlens_k": [0, 13],
+            "slot_mapping": list(range(12, 21)),  # 12..15, 16..19 and 20
+            "block_tables": [[0, 3, 4, 5]],
+            "context_lens": [13],
+            "max_seqlen_q": 9,
+            "max_seqlen_k": 13,
+        },
+    )
 
 
 def test_task_4_a_packed_batch_keeps_two_cumulative_length_arrays(impl):
     c = seq_of([40, 41, 42, 43, 44, 45, 46], [8, 9], num_cached_tokens=4)  # 4 cached + 3 new
     d = seq_of([50, 51], [10])  # 0 cached + 2 new
-    assert_step(impl.prepare_prefill([c, d], 4, "cpu"), {
-        "input_ids": [44, 45, 46, 50, 51],
-        "positions": [4, 5, 6, 0, 1],
-        "cu_seqlens_q": [0, 3, 5],
-        "cu_seqlens_k": [0, 7, 9],
-        "host.cu_seqlens_q": [0, 3, 5],
-        "slot_mapping": [36, 37, 38, 40, 41],
-        "block_tables": [[8, 9], [10, -1]],  # padded with -1
-        "host.block_tables": [[8, 9], [10]],  # the host copy is not padded
-        "context_lens": [7, 2],
-        "host.context_lens": [7, 2],
-    })  # fmt: skip
+    assert_step(
+        impl.prepare_prefill([c, d], 4, "cpu"),
+        {
+            "input_ids": [44, 45, 46, 50, 51],
+            "positions": [4, 5, 6, 0, 1],
+            "cu_seqlens_q": [0, 3, 5],
+            "cu_seqlens_k": [0, 7, 9],
+            "host.cu_seqlens_q": [0, 3, 5],
+            "slot_mapping": [36, 37, 38, 40, 41],
+            "block_tables": [[8, 9], [10, -1]],  # padded with -1
+            "host.block_tables": [[8, 9], [10]],  # the host copy is not padded
+            "context_lens": [7, 2],
+            "host.context_lens": [7, 2],
+        },
+    )
 
 
 def test_task_4_b_sharing_nothing_packs_after_a_with_its_own_blocks(impl):
     # without stage 07's prefix cache, B's first page is not shared: it lands on blocks 3..6
     a, b = seq_of(A, [0, 1, 2]), seq_of(B, [3, 4, 5, 6])
-    assert_step(impl.prepare_prefill([a, b], 4, "cpu"), {
-        "cu_seqlens_q": [0, 11, 24],
-        "cu_seqlens_k": [0, 11, 24],
-        "slot_mapping": [*range(0, 11), *range(12, 25)],
-        "positions": [*range(11), *range(13)],
-        "block_tables": [[0, 1, 2, -1], [3, 4, 5, 6]],
-    })  # fmt: skip
+    assert_step(
+        impl.prepare_prefill([a, b], 4, "cpu"),
+        {
+            "cu_seqlens_q": [0, 11, 24],
+            "cu_seqlens_k": [0, 11, 24],
+            "slot_mapping": [*range(0, 11), *range(12, 25)],
+            "positions": [*range(11), *range(13)],
+            "block_tables": [[0, 1, 2, -1], [3, 4, 5, 6]],
+        },
+    )
 
 
 def test_task_4_prefill_reads_the_tables_and_changes_nothing(impl):
@@ -492,52 +504,61 @@ def test_task_4_prefill_reads_the_tables_and_changes_nothing(impl):
 def test_task_5_decode_at_length_12_writes_slot_11_and_reads_three_blocks(impl):
     a = seq_of([*A, 99], [0, 1, 2], num_cached_tokens=11)
     step = impl.prepare_decode([a], 4, "cpu")
-    assert_step(step, {
-        "is_prefill": False,
-        "input_ids": [99],
-        "positions": [11],
-        "slot_mapping": [2 * 4 + 3],
-        "cu_seqlens_q": [0, 1],
-        "cu_seqlens_k": [0, 12],
-        "context_lens": [12],
-        "block_tables": [[0, 1, 2]],
-        "max_seqlen_q": 1,
-        "max_seqlen_k": 12,
-        "host.cu_seqlens_q": [0, 1],
-        "host.context_lens": [12],
-        "host.block_tables": [[0, 1, 2]],
-    })  # fmt: skip
+    assert_step(
+        step,
+        {
+            "is_prefill": False,
+            "input_ids": [99],
+            "positions": [11],
+            "slot_mapping": [2 * 4 + 3],
+            "cu_seqlens_q": [0, 1],
+            "cu_seqlens_k": [0, 12],
+            "context_lens": [12],
+            "block_tables": [[0, 1, 2]],
+            "max_seqlen_q": 1,
+            "max_seqlen_k": 12,
+            "host.cu_seqlens_q": [0, 1],
+            "host.context_lens": [12],
+            "host.block_tables": [[0, 1, 2]],
+        },
+    )
     assert_dtypes(step)
 
 
 def test_task_5_decode_at_length_13_writes_the_first_slot_of_the_new_block(impl):
     a = seq_of([*A, 99, 100], [0, 1, 2, 6], num_cached_tokens=12)
-    assert_step(impl.prepare_decode([a], 4, "cpu"), {
-        "input_ids": [100],
-        "positions": [12],
-        "slot_mapping": [24],
-        "context_lens": [13],
-        "block_tables": [[0, 1, 2, 6]],
-    })  # fmt: skip
+    assert_step(
+        impl.prepare_decode([a], 4, "cpu"),
+        {
+            "input_ids": [100],
+            "positions": [12],
+            "slot_mapping": [24],
+            "context_lens": [13],
+            "block_tables": [[0, 1, 2, 6]],
+        },
+    )
 
 
 def test_task_5_a_decode_batch_pads_short_block_tables_with_minus_one(impl):
     a = seq_of([*A, 99, 100], [0, 1, 2, 6], num_cached_tokens=12)  # the seed's A and B
     b = seq_of([*B, 77], [0, 3, 4, 5], num_cached_tokens=13)
     e = seq_of([5, 6], [7], num_cached_tokens=1)
-    assert_step(impl.prepare_decode([a, b, e], 4, "cpu"), {
-        "input_ids": [100, 77, 6],
-        "positions": [12, 13, 1],
-        "slot_mapping": [6 * 4 + 0, 5 * 4 + 1, 7 * 4 + 1],
-        "block_tables": [[0, 1, 2, 6], [0, 3, 4, 5], [7, -1, -1, -1]],
-        "context_lens": [13, 14, 2],
-        "host.context_lens": [13, 14, 2],
-        "cu_seqlens_q": [0, 1, 2, 3],
-        "host.cu_seqlens_q": [0, 1, 2, 3],
-        "cu_seqlens_k": [0, 13, 27, 29],
-        "max_seqlen_q": 1,
-        "max_seqlen_k": 14,
-    })  # fmt: skip
+    assert_step(
+        impl.prepare_decode([a, b, e], 4, "cpu"),
+        {
+            "input_ids": [100, 77, 6],
+            "positions": [12, 13, 1],
+            "slot_mapping": [6 * 4 + 0, 5 * 4 + 1, 7 * 4 + 1],
+            "block_tables": [[0, 1, 2, 6], [0, 3, 4, 5], [7, -1, -1, -1]],
+            "context_lens": [13, 14, 2],
+            "host.context_lens": [13, 14, 2],
+            "cu_seqlens_q": [0, 1, 2, 3],
+            "host.cu_seqlens_q": [0, 1, 2, 3],
+            "cu_seqlens_k": [0, 13, 27, 29],
+            "max_seqlen_q": 1,
+            "max_seqlen_k": 14,
+        },
+    )
 
 
 # ---- task 6: the engine, built from your pieces, reproduces stage 01 ----
@@ -569,8 +590,16 @@ def params() -> SamplingParams:
 
 
 def paged_llm(folder, components, num_kv_blocks) -> LLM:
-    return LLM(folder, stage=4, device="cpu", dtype="float64", components=components,
-               block_size=4, num_kv_blocks=num_kv_blocks, max_model_len=MAX_MODEL_LEN)  # fmt: skip
+    return LLM(
+        folder,
+        stage=4,
+        device="cpu",
+        dtype="float64",
+        components=components,
+        block_size=4,
+        num_kv_blocks=num_kv_blocks,
+        max_model_len=MAX_MODEL_LEN,
+    )
 
 
 def assert_tokens(got: list[list[int]], expected: list[list[int]]) -> None:

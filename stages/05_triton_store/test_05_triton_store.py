@@ -58,8 +58,9 @@ def new_kv(num_tokens, num_kv_heads, head_dim, dtype=torch.float32, seed=1):
     """key, value (T, H_kv, D), contiguous, on the device."""
     gen = torch.Generator().manual_seed(seed)
     shape = (num_tokens, num_kv_heads, head_dim)
-    return tuple(torch.randn(shape, generator=gen, dtype=torch.float64).to(DEVICE, dtype)
-                 for _ in "kv")  # fmt: skip
+    return tuple(
+        torch.randn(shape, generator=gen, dtype=torch.float64).to(DEVICE, dtype) for _ in "kv"
+    )
 
 
 def fused_kv(num_tokens, num_heads, num_kv_heads, head_dim, dtype, seed=2):
@@ -153,8 +154,13 @@ def stage_04_run(tiny_llama_folder, prompts):
 def test_task_5_the_engine_on_your_store_gives_stage_04_tokens_and_pool_bytes(
     impl, tiny_llama_folder, prompts, stage_04_run
 ):
-    llm = LLM(tiny_llama_folder, stage=5, attention_backend="triton",
-              components={"store_kvcache": impl.store_kvcache}, **ENGINE)  # fmt: skip
+    llm = LLM(
+        tiny_llama_folder,
+        stage=5,
+        attention_backend="triton",
+        components={"store_kvcache": impl.store_kvcache},
+        **ENGINE,
+    )
     tokens, pool = run(llm, prompts)
     want_tokens, want_pool = stage_04_run
     assert tokens == want_tokens

@@ -35,9 +35,17 @@ NEG_BIG = tl.constexpr(-1.0e30)
 
 @triton.jit
 def _load_kv_tile(
-    k_cache_ptr, v_cache_ptr, block_table_ptr, offs_n, context_len, kv_head, offs_d,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-):  # fmt: skip
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    offs_n,
+    context_len,
+    kv_head,
+    offs_d,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
     """K and V of positions offs_n (BLOCK_N,) of one kv head: two (BLOCK_N, BLOCK_D) tiles.
 
     Hints: in_context = offs_n < context_len; load the block id of each position from
@@ -68,12 +76,28 @@ def _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, ACC_DTYPE: t
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlens_q_ptr, context_lens_ptr,
-    block_tables_ptr, q_stride_t, q_stride_h, out_stride_t, out_stride_h, block_tables_stride,
-    qk_scale, GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, ACC_DTYPE: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    cu_seqlens_q_ptr,
+    context_lens_ptr,
+    block_tables_ptr,
+    q_stride_t,
+    q_stride_h,
+    out_stride_t,
+    out_stride_h,
+    block_tables_stride,
+    qk_scale,
+    GROUP: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+):
     """Program (b, h, m): query rows m * BLOCK_M ... of sequence b at query head h.
 
     Hints: q_len from cu_seqlens_q; return when m * BLOCK_M >= q_len (the grid is sized for the
@@ -119,13 +143,33 @@ def paged_attention_prefill(
 
 @triton.jit
 def _decode_partition_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-    context_lens_ptr, block_tables_ptr, q_stride_b, q_stride_h, out_stride_b, out_stride_h,
-    block_tables_stride, qk_scale, partition_size, num_partitions, GROUP: tl.constexpr,
-    BLOCK_G: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, ACC_DTYPE: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    context_lens_ptr,
+    block_tables_ptr,
+    q_stride_b,
+    q_stride_h,
+    out_stride_b,
+    out_stride_h,
+    block_tables_stride,
+    qk_scale,
+    partition_size,
+    num_partitions,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+):
     """Program (b, g, p): the GROUP query heads of kv head g over partition p of sequence b.
 
     Hints: the GROUP heads are the rows of one tile (BLOCK_G >= 16 rows, the extra ones masked),
@@ -140,10 +184,20 @@ def _decode_partition_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, context_lens_ptr, out_stride_b, out_stride_h,
-    partition_size, num_partitions, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
-):  # fmt: skip
+    out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    context_lens_ptr,
+    out_stride_b,
+    out_stride_h,
+    partition_size,
+    num_partitions,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
     """Program (b, h): merge the partitions' partials of row b, head h (task 4).
 
     Hints: only partitions that held a position wrote (at least partition 0); M = max of their

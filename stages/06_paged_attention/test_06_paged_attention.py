@@ -87,8 +87,16 @@ def check_prefill(impl, pages: Pages, q_lens) -> None:
         cu.append(cu[-1] + n)
     q = pages.queries(cu[-1])
     cu_seqlens_q = torch.tensor(cu, dtype=torch.int32, device=DEVICE)
-    got = impl.paged_attention_prefill(q, pages.k_cache, pages.v_cache, cu_seqlens_q, pages.lens,
-                                       pages.block_tables, max(q_lens), pages.scale)  # fmt: skip
+    got = impl.paged_attention_prefill(
+        q,
+        pages.k_cache,
+        pages.v_cache,
+        cu_seqlens_q,
+        pages.lens,
+        pages.block_tables,
+        max(q_lens),
+        pages.scale,
+    )
     assert got.shape == q.shape and got.dtype == q.dtype
     want = torch.cat([pages.expected(q[cu[b] : cu[b + 1]], b) for b in range(len(q_lens))])
     assert_close(got, want, pages.dtype)
@@ -97,8 +105,9 @@ def check_prefill(impl, pages: Pages, q_lens) -> None:
 def check_decode(impl, pages: Pages, **launch) -> torch.Tensor:
     """One query per sequence at its last position; rows with context 0 must come back as 0."""
     q = pages.queries(len(pages.context_lens))
-    got = impl.paged_attention_decode(q, pages.k_cache, pages.v_cache, pages.lens,
-                                      pages.block_tables, pages.scale, **launch)  # fmt: skip
+    got = impl.paged_attention_decode(
+        q, pages.k_cache, pages.v_cache, pages.lens, pages.block_tables, pages.scale, **launch
+    )
     assert got.shape == q.shape and got.dtype == q.dtype
     assert torch.isfinite(got).all(), "a NaN: some program read a slot its sequence does not own"
     for b, n in enumerate(pages.context_lens):
@@ -198,13 +207,15 @@ def stage_04_tokens(tiny_llama_folder, prompts):
     return greedy(LLM(tiny_llama_folder, stage=4, **ENGINE), prompts)
 
 
-@pytest.mark.parametrize("pieces", [PIECES[:1], PIECES[1:], PIECES], ids=["prefill", "decode",
-                                                                           "both"])  # fmt: skip
+@pytest.mark.parametrize(
+    "pieces", [PIECES[:1], PIECES[1:], PIECES], ids=["prefill", "decode", "both"]
+)
 def test_task_5_the_engine_on_your_kernels_gives_stage_04_tokens(
     impl, tiny_llama_folder, prompts, stage_04_tokens, pieces
 ):
     # float64: the kernels sum in another order than torch, ~1e-16 apart, far from a tie
     components = {name: getattr(impl, name) for name in pieces}
-    llm = LLM(tiny_llama_folder, stage=6, attention_backend="triton", components=components,
-              **ENGINE)  # fmt: skip
+    llm = LLM(
+        tiny_llama_folder, stage=6, attention_backend="triton", components=components, **ENGINE
+    )
     assert greedy(llm, prompts) == stage_04_tokens

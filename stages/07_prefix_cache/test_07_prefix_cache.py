@@ -497,8 +497,13 @@ def test_task_5_random_traffic_with_chunks_and_preemption_serves_only_true_prefi
     # small enough to preempt; after every step the shadow pool and the books are checked.
     rng = random.Random(11)
     manager = impl.PrefixBlockManager(20, BS, **({"hash_fn": weak_sum} if weak else {}))
-    config = EngineConfig(max_model_len=48, max_num_seqs=4, max_num_batched_tokens=12,
-                          block_size=BS, enable_chunked_prefill=True)  # fmt: skip
+    config = EngineConfig(
+        max_model_len=48,
+        max_num_seqs=4,
+        max_num_batched_tokens=12,
+        block_size=BS,
+        enable_chunked_prefill=True,
+    )
     scheduler, run = Scheduler(config, manager), Run(manager, exact_tables=False)
     hits = []
     allocate = manager.allocate
@@ -563,8 +568,9 @@ def engine_requests():
     return prompts, params
 
 
-ENGINE = dict(device="cpu", dtype="float64", block_size=BS, max_model_len=MAX_MODEL_LEN,
-              max_num_seqs=3)  # fmt: skip
+ENGINE = dict(
+    device="cpu", dtype="float64", block_size=BS, max_model_len=MAX_MODEL_LEN, max_num_seqs=3
+)
 
 
 @pytest.fixture(scope="module")
@@ -591,8 +597,14 @@ def stage_06_runs(tiny_llama_folder):
 def test_task_6_your_manager_gives_stage_06_tokens_and_computes_fewer_prompt_tokens(
     impl, tiny_llama_folder, stage_06_runs, num_kv_blocks, options
 ):
-    llm = LLM(tiny_llama_folder, stage=7, num_kv_blocks=num_kv_blocks, **ENGINE, **options,
-              components={"PrefixBlockManager": impl.PrefixBlockManager})  # fmt: skip
+    llm = LLM(
+        tiny_llama_folder,
+        stage=7,
+        num_kv_blocks=num_kv_blocks,
+        **ENGINE,
+        **options,
+        components={"PrefixBlockManager": impl.PrefixBlockManager},
+    )
     engine, shared_writes = llm.engine, []
 
     def check_step(record):

@@ -46,8 +46,11 @@ def tensors(step: StepInputs) -> dict[str, torch.Tensor]:
     """Every tensor a decode graph reads, by name."""
     md = step.metadata
     names = ("cu_seqlens_q", "cu_seqlens_k", "slot_mapping", "context_lens", "block_tables")
-    return {"input_ids": step.input_ids, "positions": step.positions,
-            **{name: getattr(md, name) for name in names}}  # fmt: skip
+    return {
+        "input_ids": step.input_ids,
+        "positions": step.positions,
+        **{name: getattr(md, name) for name in names},
+    }
 
 
 def as_lists(step: StepInputs) -> dict[str, list]:
@@ -235,8 +238,13 @@ def test_task_3_the_buffers_hold_copies_not_the_steps_tensors(impl):
 
 MAX_MODEL_LEN, MAX_NUM_SEQS = 32, 12  # buckets 1, 2, 4, 8, 12; tables of 8 blocks of 4
 PROMPT_LENGTHS = (1, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17, 24)  # around block edges of 4
-ENGINE = dict(dtype="float64", block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
-              max_num_seqs=MAX_NUM_SEQS, num_kv_blocks=128)  # fmt: skip
+ENGINE = dict(
+    dtype="float64",
+    block_size=BLOCK_SIZE,
+    max_model_len=MAX_MODEL_LEN,
+    max_num_seqs=MAX_NUM_SEQS,
+    num_kv_blocks=128,
+)
 
 
 def requests():
@@ -265,8 +273,13 @@ def replaying_engine(folder, device: str, capture) -> tuple[LLM, list[int]]:
     options = dict(attention_backend="triton") if device == "cuda" else {}
     llm = LLM(folder, stage=8, device=device, enforce_eager=True, **ENGINE, **options)
     runner = llm.engine.runner
-    graphs = DecodeGraphs(runner.model, runner.attention, MAX_NUM_SEQS,
-                          table_width(MAX_MODEL_LEN, BLOCK_SIZE), runner.device)  # fmt: skip
+    graphs = DecodeGraphs(
+        runner.model,
+        runner.attention,
+        MAX_NUM_SEQS,
+        table_width(MAX_MODEL_LEN, BLOCK_SIZE),
+        runner.device,
+    )
     capture(graphs)
     replayed, replay = [], graphs.replay
     graphs.replay = lambda step: replayed.append(step.metadata.num_seqs) or replay(step)
@@ -293,8 +306,16 @@ def test_task_4_the_engine_replays_through_your_pieces_and_gives_the_eager_token
 def test_task_5_on_a_gpu_captured_graphs_replay_the_eager_tokens(
     impl, your_pieces, tiny_llama_folder
 ):
-    eager = greedy(LLM(tiny_llama_folder, stage=8, device="cuda", enforce_eager=True,
-                       attention_backend="triton", **ENGINE))  # fmt: skip
+    eager = greedy(
+        LLM(
+            tiny_llama_folder,
+            stage=8,
+            device="cuda",
+            enforce_eager=True,
+            attention_backend="triton",
+            **ENGINE,
+        )
+    )
     llm, replayed = replaying_engine(tiny_llama_folder, "cuda", DecodeGraphs.capture)
     assert greedy(llm) == eager
     assert sorted(set(replayed)) == list(range(1, MAX_NUM_SEQS + 1)), "every decode step replays"

@@ -83,8 +83,9 @@ class ColumnParallelLinear(nn.Module):
     row-parallel layer).
     """
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 tp: TensorParallel = ONE_RANK):  # fmt: skip
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, tp: TensorParallel = ONE_RANK
+    ):
         super().__init__()
         self.tp = tp
         self.input_size, self.output_size = input_size, output_size
@@ -122,8 +123,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     could not compute silu(gate) * up for any feature.
     """
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
-                 tp: TensorParallel = ONE_RANK):  # fmt: skip
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        tp: TensorParallel = ONE_RANK,
+    ):
         self.output_sizes = list(output_sizes)
         for size in self.output_sizes:
             tp.split(size, "each merged projection's features")
@@ -156,8 +162,15 @@ class QKVParallelLinear(MergedColumnParallelLinear):
     KV head 1. The KV share is H_kv / size heads, not H / size.
     """
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False, tp: TensorParallel = ONE_RANK):  # fmt: skip
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        tp: TensorParallel = ONE_RANK,
+    ):
         self.num_heads = tp.split(num_heads, "num_attention_heads")  # this rank's
         self.num_kv_heads = tp.split(num_kv_heads, "num_key_value_heads")  # this rank's
         self.head_dim = head_dim
@@ -185,8 +198,9 @@ class RowParallelLinear(nn.Module):
     rank's output whole again. The bias is added once, after the sum.
     """
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 tp: TensorParallel = ONE_RANK):  # fmt: skip
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, tp: TensorParallel = ONE_RANK
+    ):
         super().__init__()
         self.tp = tp
         self.input_size, self.output_size = input_size, output_size

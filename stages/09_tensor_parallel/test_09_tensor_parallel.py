@@ -177,10 +177,26 @@ def decoder_check(impl, tp, folder, prompts, max_tokens):
     yield {"tokens": tokens, "first_logits": first_logits}
 
 
-LAYER_NAMES = ("QKVParallelLinear", "MergedColumnParallelLinear", "RowParallelLinear",
-               "VocabParallelEmbedding", "ParallelLMHead")  # fmt: skip
-CHECKS = {f.__name__: f for f in (column_check, merged_check, qkv_check, row_check, mlp_check,
-                                  embedding_check, head_check, decoder_check)}  # fmt: skip
+LAYER_NAMES = (
+    "QKVParallelLinear",
+    "MergedColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "ParallelLMHead",
+)
+CHECKS = {
+    f.__name__: f
+    for f in (
+        column_check,
+        merged_check,
+        qkv_check,
+        row_check,
+        mlp_check,
+        embedding_check,
+        head_check,
+        decoder_check,
+    )
+}
 
 
 def serve_rank(rank: int, size: int, port: int, conn, impl_name: str) -> None:
@@ -190,8 +206,13 @@ def serve_rank(rank: int, size: int, port: int, conn, impl_name: str) -> None:
     torch.set_num_threads(1)
     torch.set_default_dtype(torch.float64)  # layers are built in float64, as the weights are
     store = dist.TCPStore(HOST, port, is_master=False, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=size,
-                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))  # fmt: skip
+    dist.init_process_group(
+        "gloo",
+        store=store,
+        rank=rank,
+        world_size=size,
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
     tp = TensorParallel(rank, size)
     try:
         impl = grading.load_impl(STAGE, impl_name)
@@ -243,13 +264,15 @@ class RankGroup:
         impl_name = grading.normalize_impl(os.environ.get(grading.IMPL_ENV_VAR))
         for rank in range(self.size):
             parent_end, child_end = context.Pipe()
-            args = dict(rank=rank, size=self.size, port=self.store.port, conn=child_end,
-                        impl_name=impl_name)  # fmt: skip
+            args = dict(
+                rank=rank, size=self.size, port=self.store.port, conn=child_end, impl_name=impl_name
+            )
             process = context.Process(
-                target=runpy.run_path, args=(str(Path(__file__).resolve()),),
+                target=runpy.run_path,
+                args=(str(Path(__file__).resolve()),),
                 kwargs=dict(init_globals={"RANK_ARGS": args}, run_name=RANK_PROGRAM),
                 daemon=True,
-            )  # fmt: skip
+            )
             process.start()
             child_end.close()
             self.processes.append(process)
@@ -278,8 +301,10 @@ class RankGroup:
         answers: dict[int, object] = {}
         while len(answers) < self.size:
             waiting = [r for r in range(self.size) if r not in answers]
-            ready = wait([self.conns[r] for r in waiting] +
-                         [self.processes[r].sentinel for r in waiting], timeout)  # fmt: skip
+            ready = wait(
+                [self.conns[r] for r in waiting] + [self.processes[r].sentinel for r in waiting],
+                timeout,
+            )
             if not ready:
                 self.close()
                 pytest.fail(
@@ -421,8 +446,9 @@ def test_task_2_each_rank_computes_its_rows_of_the_output(impl, ranks, tmp_path,
     x = weights(5, in_size, seed=3)
     full = F.linear(x, w["weight"], w["bias"] if bias else None)
     source = as_source(w if bias else {"weight": w["weight"]}, tmp_path, form)
-    got = ranks[2].run("column_check", source=source, in_size=in_size, out_size=out_size,
-                       bias=bias, x=x)  # fmt: skip
+    got = ranks[2].run(
+        "column_check", source=source, in_size=in_size, out_size=out_size, bias=bias, x=x
+    )
     for rank, result in enumerate(got):
         assert result["weight_shape"] == (4, 6), f"rank {rank} holds {result['weight_shape']}"
         assert_close(result["out"], full[:, share(8, rank, 2)], f"rank {rank}'s output features")
@@ -430,8 +456,9 @@ def test_task_2_each_rank_computes_its_rows_of_the_output(impl, ranks, tmp_path,
 
 def test_task_2_four_ranks_side_by_side_are_the_whole_output(impl, ranks):
     w, x = weights(12, 5, seed=4), weights(3, 5, seed=5)
-    got = ranks[4].run("column_check", source={"weight": w}, in_size=5, out_size=12, bias=False,
-                       x=x)  # fmt: skip
+    got = ranks[4].run(
+        "column_check", source={"weight": w}, in_size=5, out_size=12, bias=False, x=x
+    )
     assert_close(torch.cat([r["out"] for r in got], dim=-1), F.linear(x, w), "ranks 0..3 joined")
 
 
@@ -450,11 +477,13 @@ def test_task_2_merged_gate_up_gives_each_rank_its_gate_slice_then_its_up_slice(
 
 def test_task_2_merged_projections_of_different_sizes_each_split_on_their_own(impl, ranks):
     a, b, x = weights(4, 6, seed=9), weights(8, 6, seed=10), weights(3, 6, seed=11)
-    got = ranks[2].run("merged_check", source={"part0": a, "part1": b}, in_size=6, sizes=[4, 8],
-                       x=x)  # fmt: skip
+    got = ranks[2].run(
+        "merged_check", source={"part0": a, "part1": b}, in_size=6, sizes=[4, 8], x=x
+    )
     for rank, result in enumerate(got):
-        want = torch.cat([F.linear(x, a)[:, share(4, rank, 2)],
-                          F.linear(x, b)[:, share(8, rank, 2)]], dim=-1)  # fmt: skip
+        want = torch.cat(
+            [F.linear(x, a)[:, share(4, rank, 2)], F.linear(x, b)[:, share(8, rank, 2)]], dim=-1
+        )
         assert_close(result["out"], want, f"rank {rank}: 2 rows of the first, 4 of the second")
 
 
@@ -497,9 +526,16 @@ def test_task_3_each_rank_holds_its_query_heads_and_the_kv_heads_they_read(
         w = {name: t for name, t in w.items() if name.endswith("weight")}
     x = weights(5, HIDDEN, seed=30)
     full = {n: F.linear(x, w[f"{n}.weight"], w.get(f"{n}.bias")) for n in "qkv"}
-    got = ranks[size].run("qkv_check", source=as_source(w, tmp_path, form), hidden=HIDDEN,
-                          head_dim=HEAD_DIM, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                          bias=bias, x=x)  # fmt: skip
+    got = ranks[size].run(
+        "qkv_check",
+        source=as_source(w, tmp_path, form),
+        hidden=HIDDEN,
+        head_dim=HEAD_DIM,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        bias=bias,
+        x=x,
+    )
     q_share, kv_share = num_heads // size, num_kv_heads // size
     for rank, result in enumerate(got):
         q0, kv0 = rank * q_share, rank * kv_share
@@ -530,8 +566,9 @@ def test_task_4_every_rank_gets_the_whole_output_from_its_input_slice(
     full = F.linear(x, w["weight"], w["bias"] if bias else None)
     source = as_source(w if bias else {"weight": w["weight"]}, tmp_path, form)
     slices = [x[:, share(in_size, rank, 2)] for rank in range(2)]
-    got = ranks[2].run("row_check", source=source, in_size=in_size, out_size=out_size, bias=bias,
-                       x_slices=slices)  # fmt: skip
+    got = ranks[2].run(
+        "row_check", source=source, in_size=in_size, out_size=out_size, bias=bias, x_slices=slices
+    )
     for rank, result in enumerate(got):
         assert result["weight_shape"] == (6, 4), f"rank {rank} holds {result['weight_shape']}"
         assert_close(result["out"], full, f"rank {rank}'s output (bias added once, after the sum)")
@@ -540,8 +577,14 @@ def test_task_4_every_rank_gets_the_whole_output_from_its_input_slice(
 def test_task_4_four_ranks_sum_to_the_whole_output(impl, ranks):
     w, b, x = weights(3, 12, seed=43), weights(3, seed=44), weights(4, 12, seed=45)
     slices = [x[:, share(12, rank, 4)] for rank in range(4)]
-    got = ranks[4].run("row_check", source={"weight": w, "bias": b}, in_size=12, out_size=3,
-                       bias=True, x_slices=slices)  # fmt: skip
+    got = ranks[4].run(
+        "row_check",
+        source={"weight": w, "bias": b},
+        in_size=12,
+        out_size=3,
+        bias=True,
+        x_slices=slices,
+    )
     for rank, result in enumerate(got):
         assert_close(result["out"], F.linear(x, w, b), f"rank {rank} of 4")
 
@@ -552,8 +595,9 @@ def test_task_4_column_then_row_is_the_whole_swiglu_mlp_with_one_all_reduce(impl
 
     gate, up, down = weights(16, 6, seed=46), weights(16, 6, seed=47), weights(6, 16, seed=48)
     x = weights(5, 6, seed=49)
-    got = ranks[size].run("mlp_check", source={"gate": gate, "up": up, "down": down}, hidden=6,
-                          intermediate=16, x=x)  # fmt: skip
+    got = ranks[size].run(
+        "mlp_check", source={"gate": gate, "up": up, "down": down}, hidden=6, intermediate=16, x=x
+    )
     for rank, result in enumerate(got):
         assert_close(result["out"], swiglu(x, gate, up, down), f"rank {rank} of {size}")
 
@@ -578,8 +622,13 @@ def edge_ids(vocab_size: int, size: int) -> torch.Tensor:
 def test_task_5_every_rank_gets_every_tokens_embedding(impl, ranks, tmp_path, form, size):
     table = weights(VOCAB, EMBED, seed=50)
     ids = edge_ids(VOCAB, size)
-    got = ranks[size].run("embedding_check", source=as_source({"embed": table}, tmp_path, form),
-                          vocab_size=VOCAB, hidden=EMBED, ids=ids)  # fmt: skip
+    got = ranks[size].run(
+        "embedding_check",
+        source=as_source({"embed": table}, tmp_path, form),
+        vocab_size=VOCAB,
+        hidden=EMBED,
+        ids=ids,
+    )
     for rank, result in enumerate(got):
         assert_close(result["out"], F.embedding(ids, table), f"rank {rank} of {size}, ids {ids}")
 
@@ -587,8 +636,13 @@ def test_task_5_every_rank_gets_every_tokens_embedding(impl, ranks, tmp_path, fo
 @pytest.mark.parametrize(("vocab_size", "size"), [(VOCAB, 2), (VOCAB, 4), (5, 2)])
 def test_task_5_each_rank_holds_its_rows_then_zero_padding(impl, ranks, vocab_size, size):
     table = weights(vocab_size, EMBED, seed=51)
-    got = ranks[size].run("embedding_check", source={"embed": table}, vocab_size=vocab_size,
-                          hidden=EMBED, ids=torch.tensor([0]))  # fmt: skip
+    got = ranks[size].run(
+        "embedding_check",
+        source={"embed": table},
+        vocab_size=vocab_size,
+        hidden=EMBED,
+        ids=torch.tensor([0]),
+    )
     rows = -(-vocab_size // size)
     for rank, result in enumerate(got):
         start, end = min(vocab_size, rank * rows), min(vocab_size, (rank + 1) * rows)
@@ -600,8 +654,9 @@ def test_task_5_each_rank_holds_its_rows_then_zero_padding(impl, ranks, vocab_si
 def test_task_5_the_v5_trace_embeds_ids_4_and_0_from_two_ranks(impl, ranks):
     table = weights(5, EMBED, seed=52)
     ids = torch.tensor([4, 0, 3, 2])
-    got = ranks[2].run("embedding_check", source={"embed": table}, vocab_size=5, hidden=EMBED,
-                       ids=ids)  # fmt: skip
+    got = ranks[2].run(
+        "embedding_check", source={"embed": table}, vocab_size=5, hidden=EMBED, ids=ids
+    )
     for rank, result in enumerate(got):
         assert_close(result["out"], table[ids], f"rank {rank}")
 
@@ -611,8 +666,14 @@ def test_task_5_the_v5_trace_embeds_ids_4_and_0_from_two_ranks(impl, ranks):
 def test_task_5_rank_0_gets_the_whole_logits_and_the_others_none(impl, ranks, size, tied):
     table, head = weights(VOCAB, EMBED, seed=53), weights(VOCAB, EMBED, seed=54)
     states = weights(3, EMBED, seed=55)
-    got = ranks[size].run("head_check", source={"embed": table, "head": head},
-                          vocab_size=VOCAB, hidden=EMBED, states=states, tied=tied)  # fmt: skip
+    got = ranks[size].run(
+        "head_check",
+        source={"embed": table, "head": head},
+        vocab_size=VOCAB,
+        hidden=EMBED,
+        states=states,
+        tied=tied,
+    )
     want = F.linear(states, table if tied else head)
     assert got[0]["logits"] is not None, "rank 0 samples: it must get the logits"
     assert_close(got[0]["logits"], want, "rank 0's logits (every id, no padding column)")
@@ -624,8 +685,9 @@ def test_task_5_the_padding_logit_is_never_a_column(impl, ranks):
     # every real logit very negative: a padding column (logit 0) left in would win the argmax
     table = -weights(5, EMBED, seed=56).abs() - 1
     states = torch.ones(2, EMBED, dtype=torch.float64)
-    got = ranks[2].run("head_check", source={"embed": table}, vocab_size=5, hidden=EMBED,
-                       states=states, tied=True)  # fmt: skip
+    got = ranks[2].run(
+        "head_check", source={"embed": table}, vocab_size=5, hidden=EMBED, states=states, tied=True
+    )
     logits = got[0]["logits"]
     assert logits is not None and tuple(logits.shape) == (2, 5), "(N, V): V = 5 columns"
     assert_close(logits, F.linear(states, table), "logits")
@@ -643,8 +705,10 @@ def save_tiny(folder: Path, family: str, **shape) -> str:
 
     from nanoserve.testing import TINY_SHAPE
 
-    names = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
-             "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}  # fmt: skip
+    names = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    }
     config_name, model_name = names[family]
     config = getattr(transformers, config_name)(**{**TINY_SHAPE, **shape})
     torch.manual_seed(9)
@@ -658,8 +722,13 @@ def tiny_models(tmp_path_factory):
     """A Llama with 8 query / 2 KV heads and a vocabulary of 515 (untied head); a Qwen2 with
     q/k/v biases and a tied head."""
     root = tmp_path_factory.mktemp("tp-models")
-    llama = dict(vocab_size=VOCAB, num_attention_heads=8, num_key_value_heads=2, head_dim=8,
-                 tie_word_embeddings=False)  # fmt: skip
+    llama = dict(
+        vocab_size=VOCAB,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=False,
+    )
     return {
         "llama_8q_2kv_v515": save_tiny(root / "llama", "llama", **llama),
         "qwen2_bias_tied": save_tiny(root / "qwen2", "qwen2", tie_word_embeddings=True),
@@ -677,8 +746,9 @@ def stage_08_tokens(folder: str) -> tuple[list[list[int]], list[list[int]]]:
     return prompts, [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize(("model", "engine_too"),
-                         [("llama_8q_2kv_v515", True), ("qwen2_bias_tied", False)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("model", "engine_too"), [("llama_8q_2kv_v515", True), ("qwen2_bias_tied", False)]
+)
 def test_task_6_two_ranks_of_your_layers_generate_stage_08s_tokens(
     impl, ranks, tiny_models, model, engine_too
 ):
@@ -697,7 +767,8 @@ def test_task_6_two_ranks_of_your_layers_generate_stage_08s_tokens(
         return
     # the engine's own workers (nanoserve/parallel/) run the same model at tensor_parallel_size 2
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    with LLM(folder, stage=9, device="cpu", dtype="float64", max_model_len=64,
-             tensor_parallel_size=2) as llm:  # fmt: skip
+    with LLM(
+        folder, stage=9, device="cpu", dtype="float64", max_model_len=64, tensor_parallel_size=2
+    ) as llm:
         engine = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert engine == want, "LLM(stage=9, tensor_parallel_size=2): not stage 08's tokens"

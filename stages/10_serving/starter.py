@@ -104,8 +104,9 @@ class AsyncEngine(EngineThread):
 
     # ---- task 5: what a caller sees ----
 
-    async def generate(self, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[TokenDelta]:  # fmt: skip
+    async def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[TokenDelta]:
         """Queue the request (`self.add_request`) and yield its deltas (`await stream.get()`)
         until one carries a finish_reason, that one included. The first is the empty "queued"
         delta. If an item is an exception (the engine's ValueError), raise it.

@@ -47,8 +47,9 @@ def new_llm(folder, **options) -> LLM:
 
 def offline(folder, prompts, max_tokens, **options) -> list:
     """(token ids, finish reason) per prompt, from LLM.generate on an identical engine."""
-    outs = new_llm(folder, **options).generate(prompts, [greedy(m) for m in max_tokens],
-                                               use_tqdm=False)  # fmt: skip
+    outs = new_llm(folder, **options).generate(
+        prompts, [greedy(m) for m in max_tokens], use_tqdm=False
+    )
     return [(out.token_ids, out.finish_reason) for out in outs]
 
 
@@ -93,8 +94,9 @@ def assert_idle(engine) -> None:
 # ---- task 1: commands ----
 
 
-def test_task_1_an_accepted_request_is_queued_tracked_and_told_so(impl, tiny_llama_folder,
-                                                                   idle_loop):  # fmt: skip
+def test_task_1_an_accepted_request_is_queued_tracked_and_told_so(
+    impl, tiny_llama_folder, idle_loop
+):
     engine_loop = impl.AsyncEngine(new_llm(tiny_llama_folder).engine)
     stream = RequestStream(7, idle_loop)
     out = engine_loop.apply(Add(stream, [1, 2, 3], greedy(4)))
@@ -104,8 +106,9 @@ def test_task_1_an_accepted_request_is_queued_tracked_and_told_so(impl, tiny_lla
     assert seq.prompt_token_ids == [1, 2, 3] and list(engine_loop.engine.scheduler.waiting) == [seq]
 
 
-def test_task_1_a_rejected_request_gets_its_error_and_disturbs_nobody(impl, tiny_llama_folder,
-                                                                      idle_loop):  # fmt: skip
+def test_task_1_a_rejected_request_gets_its_error_and_disturbs_nobody(
+    impl, tiny_llama_folder, idle_loop
+):
     engine_loop = impl.AsyncEngine(new_llm(tiny_llama_folder).engine)
     good, bad = RequestStream(0, idle_loop), RequestStream(1, idle_loop)
     engine_loop.apply(Add(good, [1, 2], greedy(4)))
@@ -140,8 +143,9 @@ def test_task_1_an_abort_takes_a_waiting_request_off_the_queue(impl, tiny_llama_
     assert_idle(engine_loop.engine)
 
 
-def test_task_1_aborting_an_unknown_or_finished_request_does_nothing(impl, tiny_llama_folder,
-                                                                     idle_loop):  # fmt: skip
+def test_task_1_aborting_an_unknown_or_finished_request_does_nothing(
+    impl, tiny_llama_folder, idle_loop
+):
     engine_loop = impl.AsyncEngine(new_llm(tiny_llama_folder).engine)
     engine_loop.apply(Add(RequestStream(0, idle_loop), [1, 2, 3], greedy(4)))
     assert engine_loop.apply(Abort(99)) == [], "never accepted, or finished: nothing to do"
@@ -158,8 +162,10 @@ def test_task_2_each_request_gets_exactly_its_offline_tokens_through_preemption(
 ):
     small = dict(num_kv_blocks=10)  # 4 requests need up to 12 blocks: some are preempted
     engine_loop = impl.AsyncEngine(new_llm(tiny_llama_folder, **small).engine)
-    streams = [track(engine_loop, i, p, greedy(m), idle_loop)
-               for i, (p, m) in enumerate(zip(PROMPTS, MAX_TOKENS))]  # fmt: skip
+    streams = [
+        track(engine_loop, i, p, greedy(m), idle_loop)
+        for i, (p, m) in enumerate(zip(PROMPTS, MAX_TOKENS))
+    ]
     items = per_stream(run_to_end(engine_loop), streams)
     assert engine_loop.engine.scheduler.num_preemptions > 0, "the pool was meant to run dry"
     want = offline(tiny_llama_folder, PROMPTS, MAX_TOKENS, **small)
@@ -168,11 +174,14 @@ def test_task_2_each_request_gets_exactly_its_offline_tokens_through_preemption(
         assert ids == want_ids, f"request {i}: its deltas add up to {ids}, want {want_ids}"
 
 
-def test_task_2_the_last_delta_and_only_it_carries_the_finish_reason(impl, tiny_llama_folder,
-                                                                     idle_loop):  # fmt: skip
+def test_task_2_the_last_delta_and_only_it_carries_the_finish_reason(
+    impl, tiny_llama_folder, idle_loop
+):
     engine_loop = impl.AsyncEngine(new_llm(tiny_llama_folder).engine)
-    streams = [track(engine_loop, i, p, greedy(m), idle_loop)
-               for i, (p, m) in enumerate(zip(PROMPTS, MAX_TOKENS))]  # fmt: skip
+    streams = [
+        track(engine_loop, i, p, greedy(m), idle_loop)
+        for i, (p, m) in enumerate(zip(PROMPTS, MAX_TOKENS))
+    ]
     items = per_stream(run_to_end(engine_loop), streams)
     want = offline(tiny_llama_folder, PROMPTS, MAX_TOKENS)
     for i, (got, (want_ids, want_reason)) in enumerate(zip(items, want)):
@@ -182,8 +191,9 @@ def test_task_2_the_last_delta_and_only_it_carries_the_finish_reason(impl, tiny_
         assert all(delta.token_ids for delta in got), f"request {i}: a delta with no tokens"
 
 
-def test_task_2_a_finished_request_is_dropped_and_nothing_is_sent_twice(impl, tiny_llama_folder,
-                                                                       idle_loop):  # fmt: skip
+def test_task_2_a_finished_request_is_dropped_and_nothing_is_sent_twice(
+    impl, tiny_llama_folder, idle_loop
+):
     engine_loop = impl.AsyncEngine(new_llm(tiny_llama_folder).engine)
     short = track(engine_loop, 0, [1, 2], greedy(2), idle_loop)
     long = track(engine_loop, 1, [3, 4], greedy(6), idle_loop)
@@ -229,13 +239,15 @@ def test_task_3_an_idle_engine_is_not_stepped(impl, tiny_llama_folder):
     assert engine_loop.run_once([]) == [] and calls == []
 
 
-def test_task_3_commands_come_first_then_one_step_then_the_fan_out(impl, tiny_llama_folder,
-                                                                  idle_loop):  # fmt: skip
+def test_task_3_commands_come_first_then_one_step_then_the_fan_out(
+    impl, tiny_llama_folder, idle_loop
+):
     engine_loop = impl.AsyncEngine(new_llm(tiny_llama_folder).engine)
     calls = count_steps(engine_loop.engine)
     a, b, bad = (RequestStream(i, idle_loop) for i in range(3))
-    out = engine_loop.run_once([Add(a, [1, 2, 3], greedy(9)), Add(bad, [999], greedy(2)),
-                                Add(b, [4, 5], greedy(9))])  # fmt: skip
+    out = engine_loop.run_once(
+        [Add(a, [1, 2, 3], greedy(9)), Add(bad, [999], greedy(2)), Add(b, [4, 5], greedy(9))]
+    )
     assert len(calls) == 1, "one step per turn"
     assert [d.stream for d in out] == [a, bad, b, a, b], "commands' deliveries, then fan_out's"
     assert isinstance(out[1].item, ValueError) and out[3].item.token_ids and out[4].item.token_ids
@@ -332,8 +344,9 @@ def test_task_4_one_wake_up_per_event_loop_and_each_stream_its_own_items(impl, t
                 Delivery(mine[0], TokenDelta([4])),
             ]
             deliver_from_a_thread(engine_loop, deliveries)
-            got = await asyncio.wait_for(asyncio.gather(receive(mine[0], 2), receive(mine[1], 1)),
-                                         2)  # fmt: skip
+            got = await asyncio.wait_for(
+                asyncio.gather(receive(mine[0], 2), receive(mine[1], 1)), 2
+            )
             assert got == [[TokenDelta([1]), TokenDelta([4])], [TokenDelta([3])]]
             assert len(wakeups) == 1, f"{len(wakeups)} call_soon_threadsafe calls for one loop"
             theirs_got = asyncio.run_coroutine_threadsafe(receive(theirs, 1), other)
@@ -353,8 +366,10 @@ def test_task_4_a_closed_event_loop_is_skipped_without_raising(impl, tiny_llama_
 
     async def main():
         alive = RequestStream(1, asyncio.get_running_loop())
-        deliveries = [Delivery(RequestStream(0, closed), TokenDelta([1])),
-                      Delivery(alive, TokenDelta([2]))]  # fmt: skip
+        deliveries = [
+            Delivery(RequestStream(0, closed), TokenDelta([1])),
+            Delivery(alive, TokenDelta([2])),
+        ]
         deliver_from_a_thread(engine_loop, deliveries)
         assert await asyncio.wait_for(receive(alive, 1), 2) == [TokenDelta([2])]
 
@@ -394,8 +409,9 @@ async def collect(agen) -> list[TokenDelta]:
 def test_task_5_generate_yields_queued_then_the_offline_tokens(impl, tiny_llama_folder):
     want_ids, want_reason = offline(tiny_llama_folder, PROMPTS[:1], [12])[0]
     with Running(impl, new_llm(tiny_llama_folder)) as engine_loop:
-        got = asyncio.run(asyncio.wait_for(collect(engine_loop.generate(PROMPTS[0], greedy(12))),
-                                           TIMEOUT))  # fmt: skip
+        got = asyncio.run(
+            asyncio.wait_for(collect(engine_loop.generate(PROMPTS[0], greedy(12))), TIMEOUT)
+        )
     assert got[0] == TokenDelta([], None), "the first delta says: queued"
     assert [t for delta in got for t in delta.token_ids] == want_ids
     assert [delta.finish_reason for delta in got][-1] == want_reason
@@ -513,8 +529,13 @@ def test_task_6_the_openai_client_gets_the_offline_tokens_from_your_loop(impl, t
     app = create_app(llm, "tiny", loop=impl.AsyncEngine(llm.engine))
     with ServerThread(app) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=TIMEOUT)
-        request = dict(model="tiny", prompt=PROMPTS[1], max_tokens=15, temperature=0,
-                       extra_body={"ignore_eos": True})  # fmt: skip
+        request = dict(
+            model="tiny",
+            prompt=PROMPTS[1],
+            max_tokens=15,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         chunks = list(client.completions.create(stream=True, **request))
         whole = client.completions.create(**request)
     streamed = [t for c in chunks for t in c.choices[0].model_extra["token_ids"]]

@@ -157,8 +157,18 @@ def all_mutants() -> list[Mutant]:
         stage_10,
     )
 
-    stages = (stage_01, stage_02, stage_03, stage_04, stage_05, stage_06, stage_07, stage_08,
-              stage_09, stage_10)  # fmt: skip
+    stages = (
+        stage_01,
+        stage_02,
+        stage_03,
+        stage_04,
+        stage_05,
+        stage_06,
+        stage_07,
+        stage_08,
+        stage_09,
+        stage_10,
+    )
     return [m for stage in stages for m in stage.MUTANTS]
 
 

@@ -14,47 +14,67 @@ def mutant(name: str, bug: str, target: str, *edits: tuple[str, str]) -> Mutant:
 
 MUTANTS = (
     mutant(
-        "free_list_not_reversed", "the free stack is filled 0..n-1, so pop() hands out n-1 first",
-        "SlabManager.__init__", ("list(range(num_slabs - 1, -1, -1))", "list(range(num_slabs))"),
+        "free_list_not_reversed",
+        "the free stack is filled 0..n-1, so pop() hands out n-1 first",
+        "SlabManager.__init__",
+        ("list(range(num_slabs - 1, -1, -1))", "list(range(num_slabs))"),
     ),
     mutant(
-        "can_allocate_off_by_one", "can_allocate says yes with no slab free",
-        "SlabManager.can_allocate", ("self.num_free_slabs > 0", "self.num_free_slabs >= 0"),
+        "can_allocate_off_by_one",
+        "can_allocate says yes with no slab free",
+        "SlabManager.can_allocate",
+        ("self.num_free_slabs > 0", "self.num_free_slabs >= 0"),
     ),
     mutant(
-        "can_append_needs_a_free_slab", "can_append copies can_allocate: no decode on a full pool",
-        "SlabManager.can_append", ("return True", "return self.num_free_slabs > 0"),
+        "can_append_needs_a_free_slab",
+        "can_append copies can_allocate: no decode on a full pool",
+        "SlabManager.can_append",
+        ("return True", "return self.num_free_slabs > 0"),
     ),
     mutant(
-        "deallocate_keeps_num_cached_tokens", "deallocate forgets to reset num_cached_tokens",
-        "SlabManager.deallocate", ("seq.slab_id, seq.num_cached_tokens = None, 0",
-                                   "seq.slab_id = None"),
+        "deallocate_keeps_num_cached_tokens",
+        "deallocate forgets to reset num_cached_tokens",
+        "SlabManager.deallocate",
+        ("seq.slab_id, seq.num_cached_tokens = None, 0", "seq.slab_id = None"),
     ),
     mutant(
-        "deallocate_keeps_the_slab", "deallocate clears seq.slab_id but never returns the slab",
-        "SlabManager.deallocate", ("self.free_slab_ids.append(seq.slab_id)", ""),
+        "deallocate_keeps_the_slab",
+        "deallocate clears seq.slab_id but never returns the slab",
+        "SlabManager.deallocate",
+        ("self.free_slab_ids.append(seq.slab_id)", ""),
     ),
     mutant(
-        "may_append_counts_cached_tokens", "may_append bumps num_cached_tokens (the engine's job)",
+        "may_append_counts_cached_tokens",
+        "may_append bumps num_cached_tokens (the engine's job)",
         # the body is its docstring alone: the new line goes after it
-        "SlabManager.may_append", ('"""Nothing to do: growth stays inside the slab."""',
-                                   '"""Nothing to do: growth stays inside the slab."""\n'
-                                   "seq.num_cached_tokens += 1"),
+        "SlabManager.may_append",
+        (
+            '"""Nothing to do: growth stays inside the slab."""',
+            '"""Nothing to do: growth stays inside the slab."""\nseq.num_cached_tokens += 1',
+        ),
     ),
     mutant(
-        "store_into_a_copy", "store_slab writes into a clone, so the engine's cache never changes",
-        "store_slab", (STORE, f"cache = cache.clone()\n{STORE}"),
+        "store_into_a_copy",
+        "store_slab writes into a clone, so the engine's cache never changes",
+        "store_slab",
+        (STORE, f"cache = cache.clone()\n{STORE}"),
     ),
     mutant(
-        "store_one_position_late", "store_slab writes token i at start + i + 1 (1-based positions)",
-        "store_slab", (STORE, "cache[slab_id, start + 1 : start + 1 + values.shape[0]] = values"),
+        "store_one_position_late",
+        "store_slab writes token i at start + i + 1 (1-based positions)",
+        "store_slab",
+        (STORE, "cache[slab_id, start + 1 : start + 1 + values.shape[0]] = values"),
     ),
     mutant(
-        "load_includes_end", "load_slab returns positions 0..end inclusive",
-        "load_slab", ("cache[slab_id, :end]", "cache[slab_id, : end + 1]"),
+        "load_includes_end",
+        "load_slab returns positions 0..end inclusive",
+        "load_slab",
+        ("cache[slab_id, :end]", "cache[slab_id, : end + 1]"),
     ),
     mutant(
-        "load_drops_the_newest", "load_slab stops one short: the token just stored is not read",
-        "load_slab", ("cache[slab_id, :end]", "cache[slab_id, : end - 1]"),
+        "load_drops_the_newest",
+        "load_slab stops one short: the token just stored is not read",
+        "load_slab",
+        ("cache[slab_id, :end]", "cache[slab_id, : end - 1]"),
     ),
-)  # fmt: skip
+)

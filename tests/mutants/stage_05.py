@@ -16,54 +16,73 @@ def mutant(name: str, bug: str, target: str, *edits: tuple[str, str]) -> Mutant:
 
 MUTANTS = (
     mutant(
-        "padding_not_skipped", "the kernel forgets the slot -1 check: a padding row writes one "
-        "row before the cache",
-        KERNEL, ("if slot < 0:\n    return", ""),
+        "padding_not_skipped",
+        "the kernel forgets the slot -1 check: a padding row writes one row before the cache",
+        KERNEL,
+        ("if slot < 0:\n    return", ""),
     ),
     mutant(
-        "slot_zero_taken_for_padding", "the check is slot <= 0, so the token of slot 0 is dropped",
-        KERNEL, ("slot < 0", "slot <= 0"),
+        "slot_zero_taken_for_padding",
+        "the check is slot <= 0, so the token of slot 0 is dropped",
+        KERNEL,
+        ("slot < 0", "slot <= 0"),
     ),
     mutant(
-        "no_row_mask", "lanes are masked to the padded power of two, not the row: a 192-wide row "
+        "no_row_mask",
+        "lanes are masked to the padded power of two, not the row: a 192-wide row "
         "writes 64 values into the next slot",
-        KERNEL, ("mask = offs < ROW_SIZE", "mask = offs < BLOCK_ROW"),
+        KERNEL,
+        ("mask = offs < ROW_SIZE", "mask = offs < BLOCK_ROW"),
     ),
     mutant(
-        "row_mask_off_by_one", "the row mask is offs <= ROW_SIZE: one value too many",
-        KERNEL, ("mask = offs < ROW_SIZE", "mask = offs <= ROW_SIZE"),
+        "row_mask_off_by_one",
+        "the row mask is offs <= ROW_SIZE: one value too many",
+        KERNEL,
+        ("mask = offs < ROW_SIZE", "mask = offs <= ROW_SIZE"),
     ),
     mutant(
-        "key_assumed_contiguous", "the key is read as a contiguous (T, H_kv * D) tensor, ignoring "
+        "key_assumed_contiguous",
+        "the key is read as a contiguous (T, H_kv * D) tensor, ignoring "
         "its strides (a view of the fused QKV output is not)",
-        KERNEL, ("key_ptr + token * key_stride_t + head * key_stride_h + dim * key_stride_d",
-                 "key_ptr + token * ROW_SIZE + offs"),
+        KERNEL,
+        (
+            "key_ptr + token * key_stride_t + head * key_stride_h + dim * key_stride_d",
+            "key_ptr + token * ROW_SIZE + offs",
+        ),
     ),
     mutant(
-        "head_and_dim_swapped", "the flat lane index is split as (dim, head), not (head, dim)",
-        KERNEL, ("head, dim = offs // HEAD_DIM, offs % HEAD_DIM",
-                 "dim, head = offs // HEAD_DIM, offs % HEAD_DIM"),
+        "head_and_dim_swapped",
+        "the flat lane index is split as (dim, head), not (head, dim)",
+        KERNEL,
+        (
+            "head, dim = offs // HEAD_DIM, offs % HEAD_DIM",
+            "dim, head = offs // HEAD_DIM, offs % HEAD_DIM",
+        ),
     ),
     mutant(
-        "writes_k_into_v", "the value cache is written with the key tile",
-        KERNEL, (V_STORE, V_STORE.replace(", value,", ", key,")),
+        "writes_k_into_v",
+        "the value cache is written with the key tile",
+        KERNEL,
+        (V_STORE, V_STORE.replace(", value,", ", key,")),
     ),
     mutant(
-        "slot_scaled_by_head_dim", "a slot's row is placed at slot * HEAD_DIM, as if one token "
-        "owned one head",
+        "slot_scaled_by_head_dim",
+        "a slot's row is placed at slot * HEAD_DIM, as if one token owned one head",
         KERNEL,
         (K_STORE, K_STORE.replace("ROW_SIZE", "HEAD_DIM")),
         (V_STORE, V_STORE.replace("ROW_SIZE", "HEAD_DIM")),
     ),
     mutant(
-        "copy_through_float32", "the values pass through float32 on their way: float64 loses bits",
+        "copy_through_float32",
+        "the values pass through float32 on their way: float64 loses bits",
         KERNEL,
         (K_STORE, K_STORE.replace(", key,", ", key.to(tl.float32),")),
         (V_STORE, V_STORE.replace(", value,", ", value.to(tl.float32),")),
     ),
     mutant(
-        "row_not_padded_to_a_power_of_two", "BLOCK_ROW is the row size itself: tl.arange refuses "
-        "192",
-        "store_kvcache", ("block_row = triton.next_power_of_2(row_size)", "block_row = row_size"),
+        "row_not_padded_to_a_power_of_two",
+        "BLOCK_ROW is the row size itself: tl.arange refuses 192",
+        "store_kvcache",
+        ("block_row = triton.next_power_of_2(row_size)", "block_row = row_size"),
     ),
-)  # fmt: skip
+)

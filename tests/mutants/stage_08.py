@@ -26,78 +26,116 @@ def mutant(name: str, bug: str, target: str, *edits: tuple[str, str]) -> Mutant:
 MUTANTS = (
     # ---- the buckets ----
     mutant(
-        "buckets_nano_vllm_list", "nano-vLLM's list, [1, 2, 4, 8] + range(16, max + 1, 16): no "
+        "buckets_nano_vllm_list",
+        "nano-vLLM's list, [1, 2, 4, 8] + range(16, max + 1, 16): no "
         "bucket for a max_num_seqs off the 16-grid, and buckets above a small one",
-        "graph_buckets", (BUCKETS, "return [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 16))"),
+        "graph_buckets",
+        (BUCKETS, "return [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 16))"),
     ),
     mutant(
-        "buckets_start_at_16", "no buckets below 16: a batch of 1 replays a graph of 16 rows",
-        "graph_buckets", ("[b for b in (1, 2, 4, 8) if b < max_num_seqs]", "[]"),
+        "buckets_start_at_16",
+        "no buckets below 16: a batch of 1 replays a graph of 16 rows",
+        "graph_buckets",
+        ("[b for b in (1, 2, 4, 8) if b < max_num_seqs]", "[]"),
     ),
     mutant(
-        "buckets_repeat_max", "range(16, max_num_seqs + 1, 16), then max_num_seqs again: a "
+        "buckets_repeat_max",
+        "range(16, max_num_seqs + 1, 16), then max_num_seqs again: a "
         "multiple of 16 is captured twice",
-        "graph_buckets", ("range(16, max_num_seqs, 16)", "range(16, max_num_seqs + 1, 16)"),
+        "graph_buckets",
+        ("range(16, max_num_seqs, 16)", "range(16, max_num_seqs + 1, 16)"),
     ),
     mutant(
-        "buckets_double_past_8", "powers of two all the way (16, 32, 64, 128), not steps of 16",
-        "graph_buckets", ("list(range(16, max_num_seqs, 16))",
-                          "[2**k for k in range(4, 16) if 2**k < max_num_seqs]"),
+        "buckets_double_past_8",
+        "powers of two all the way (16, 32, 64, 128), not steps of 16",
+        "graph_buckets",
+        (
+            "list(range(16, max_num_seqs, 16))",
+            "[2**k for k in range(4, 16) if 2**k < max_num_seqs]",
+        ),
     ),
     mutant(
-        "bucket_for_largest", "bucket_for takes the largest bucket that holds the batch",
-        "bucket_for", (SMALLEST, "max((b for b in buckets if b >= batch_size), default=None)"),
+        "bucket_for_largest",
+        "bucket_for takes the largest bucket that holds the batch",
+        "bucket_for",
+        (SMALLEST, "max((b for b in buckets if b >= batch_size), default=None)"),
     ),
     mutant(
-        "bucket_for_strict", "bucket_for wants a bucket larger than the batch (> for >=)",
-        "bucket_for", ("b >= batch_size", "b > batch_size"),
+        "bucket_for_strict",
+        "bucket_for wants a bucket larger than the batch (> for >=)",
+        "bucket_for",
+        ("b >= batch_size", "b > batch_size"),
     ),
     mutant(
-        "bucket_for_clamps", "a batch above the largest bucket gets the largest, not None",
-        "bucket_for", (SMALLEST, SMALLEST.replace("None)", "buckets[-1])")),
+        "bucket_for_clamps",
+        "a batch above the largest bucket gets the largest, not None",
+        "bucket_for",
+        (SMALLEST, SMALLEST.replace("None)", "buckets[-1])")),
     ),
     # ---- the copy into the static buffers ----
     mutant(
-        "fill_static_rebinds", "fill_static rebinds the name to the step's tensors: the buffers "
+        "fill_static_rebinds",
+        "fill_static rebinds the name to the step's tensors: the buffers "
         "a graph reads keep their old values",
-        "fill_static", (COPIES, "static = step  # noqa: F841"),
+        "fill_static",
+        (COPIES, "static = step  # noqa: F841"),
     ),
     mutant(
-        "fill_static_into_a_clone", "fill_static copies the metadata into clones of the views",
-        "fill_static", ("getattr(target.metadata, name)", "getattr(target.metadata, name).clone()"),
+        "fill_static_into_a_clone",
+        "fill_static copies the metadata into clones of the views",
+        "fill_static",
+        ("getattr(target.metadata, name)", "getattr(target.metadata, name).clone()"),
     ),
     mutant(
-        "fill_static_forgets_positions", "fill_static copies the tokens but not their positions",
-        "fill_static", ('("input_ids", "positions")', '("input_ids",)'),
+        "fill_static_forgets_positions",
+        "fill_static copies the tokens but not their positions",
+        "fill_static",
+        ('("input_ids", "positions")', '("input_ids",)'),
     ),
     # ---- padding a decode step ----
     mutant(
-        "pad_slots_with_0", "padding rows write to slot 0 (a real sequence's) instead of -1",
-        "pad_decode", ("grow(md.slot_mapping, -1, batch_size)",
-                       "grow(md.slot_mapping, 0, batch_size)"),
+        "pad_slots_with_0",
+        "padding rows write to slot 0 (a real sequence's) instead of -1",
+        "pad_decode",
+        ("grow(md.slot_mapping, -1, batch_size)", "grow(md.slot_mapping, 0, batch_size)"),
     ),
     mutant(
-        "pad_context_1", "padding rows get context length 1, so attention reads a slot",
-        "pad_decode", ("grow(md.context_lens, 0, batch_size)",
-                       "grow(md.context_lens, 1, batch_size)"),
+        "pad_context_1",
+        "padding rows get context length 1, so attention reads a slot",
+        "pad_decode",
+        ("grow(md.context_lens, 0, batch_size)", "grow(md.context_lens, 1, batch_size)"),
     ),
     mutant(
-        "pad_tables_keep_their_width", "block tables get the padding rows but not the static width",
-        "pad_decode", ("grow(md.block_tables, -1, batch_size, table_width)",
-                       "grow(md.block_tables, -1, batch_size, step_width(step))"),
+        "pad_tables_keep_their_width",
+        "block tables get the padding rows but not the static width",
+        "pad_decode",
+        (
+            "grow(md.block_tables, -1, batch_size, table_width)",
+            "grow(md.block_tables, -1, batch_size, step_width(step))",
+        ),
     ),
     mutant(
-        "pad_cu_seqlens_k_with_0", "cu_seqlens_k's padding falls back to 0 instead of the total",
-        "pad_decode", ("grow(md.cu_seqlens_k, sum(md.host.context_lens), batch_size + 1)",
-                       "grow(md.cu_seqlens_k, 0, batch_size + 1)"),
+        "pad_cu_seqlens_k_with_0",
+        "cu_seqlens_k's padding falls back to 0 instead of the total",
+        "pad_decode",
+        (
+            "grow(md.cu_seqlens_k, sum(md.host.context_lens), batch_size + 1)",
+            "grow(md.cu_seqlens_k, 0, batch_size + 1)",
+        ),
     ),
     mutant(
-        "pad_keeps_cu_seqlens_q", "cu_seqlens_q is not grown: the padding rows own no query",
-        "pad_decode", ("torch.arange(batch_size + 1, dtype=torch.int32, "
-                       "device=md.cu_seqlens_q.device)", "md.cu_seqlens_q"),
+        "pad_keeps_cu_seqlens_q",
+        "cu_seqlens_q is not grown: the padding rows own no query",
+        "pad_decode",
+        (
+            "torch.arange(batch_size + 1, dtype=torch.int32, device=md.cu_seqlens_q.device)",
+            "md.cu_seqlens_q",
+        ),
     ),
     mutant(
-        "pad_without_the_size_check", "pad_decode never refuses a step larger than the bucket",
-        "pad_decode", ("batch_size < num_seqs or table_width < step_width(step)", "False"),
+        "pad_without_the_size_check",
+        "pad_decode never refuses a step larger than the bucket",
+        "pad_decode",
+        ("batch_size < num_seqs or table_width < step_width(step)", "False"),
     ),
-)  # fmt: skip
+)

@@ -45,14 +45,22 @@ class Timing(NamedTuple):
 
 async def stream_one(http, prompt: list[int], max_tokens: int) -> Timing:
     """Send one streaming completion and time its chunks; raises on an HTTP error."""
-    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-            "temperature": 0.6, "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": SERVED_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "temperature": 0.6,
+        "ignore_eos": True,
+    }
     sent = time.perf_counter()
     times, counts = [], []
     async with http.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
-            raise RuntimeError(f"the server answered {response.status_code}: "
-                               f"{(await response.aread()).decode()[:300]}")  # fmt: skip
+            raise RuntimeError(
+                f"the server answered {response.status_code}: "
+                f"{(await response.aread()).decode()[:300]}"
+            )
         async for line in response.aiter_lines():
             if line.startswith("data: {"):
                 n = len(json.loads(line[6:])["choices"][0]["token_ids"])
@@ -80,8 +88,9 @@ def schedule(workload: Workload, rate: float, seed: int) -> list[Request]:
     return requests
 
 
-async def drive_share(url: str, requests: list[Request], max_concurrency: int | None,
-                      start: float) -> list[Timing]:  # fmt: skip
+async def drive_share(
+    url: str, requests: list[Request], max_concurrency: int | None, start: float
+) -> list[Timing]:
     """Send these requests, each at start + its send_at, at most max_concurrency at a time."""
     import httpx
 
@@ -107,14 +116,16 @@ def client_process(conn, url: str, requests: list[Request], max_concurrency: int
     conn.send(asyncio.run(drive_share(url, requests, max_concurrency, start)))
 
 
-def drive_in_processes(url: str, shares: list[list[Request]],
-                       limits: list[int | None]) -> tuple[list[Timing], float]:  # fmt: skip
+def drive_in_processes(
+    url: str, shares: list[list[Request]], limits: list[int | None]
+) -> tuple[list[Timing], float]:
     """Each share from a client process of its own, all starting at one instant of the clock."""
     clients = []
     try:
         for i, (share, limit) in enumerate(zip(shares, limits), start=1):
-            clients.append(ChildProcess(client_process, (url, share, limit),
-                                        name=f"bench client process {i}"))  # fmt: skip
+            clients.append(
+                ChildProcess(client_process, (url, share, limit), name=f"bench client process {i}")
+            )
         receive_all(clients, Ready, doing="start")
         start = time.perf_counter() + 0.05  # every process has the start before it comes
         broadcast(clients, start)
@@ -124,8 +135,14 @@ def drive_in_processes(url: str, shares: list[list[Request]],
     return timings, max(t.done for t in timings) - start
 
 
-def drive(url: str, workload: Workload, rate: float, max_concurrency: int | None, seed: int,
-          num_processes: int) -> tuple[list[Timing], float]:  # fmt: skip
+def drive(
+    url: str,
+    workload: Workload,
+    rate: float,
+    max_concurrency: int | None,
+    seed: int,
+    num_processes: int,
+) -> tuple[list[Timing], float]:
     """Send the workload (after one warm-up request); (timings, seconds from the start)."""
     requests = schedule(workload, rate, seed)
     num_processes = num_client_processes(num_processes, len(requests), max_concurrency)

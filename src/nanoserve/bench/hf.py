@@ -65,9 +65,16 @@ def padded_generate(hf_model, prompts: list[list[int]], max_new_tokens: int) -> 
     from transformers import GenerationConfig
 
     input_ids, mask = left_padded(prompts, hf_model.device)
-    config = GenerationConfig(do_sample=True, temperature=0.6, top_k=0, top_p=1.0,
-                              max_new_tokens=max_new_tokens, min_new_tokens=None,
-                              eos_token_id=None, pad_token_id=PAD_ID)  # fmt: skip
+    config = GenerationConfig(
+        do_sample=True,
+        temperature=0.6,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=None,
+        eos_token_id=None,
+        pad_token_id=PAD_ID,
+    )
     out = hf_model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
     num_new = out.shape[1] - input_ids.shape[1]
     if num_new != max_new_tokens:
@@ -82,12 +89,15 @@ def run_padded(hf_model, workload: Workload, batch_size: int | None) -> BenchRes
     padded_generate(hf_model, [prompts[0][:WARMUP_PROMPT_LEN]], WARMUP_MAX_TOKENS)
     start, slots = timer(hf_model.device), 0
     for i in range(0, len(prompts), batch_size):
-        slots += padded_generate(hf_model, prompts[i : i + batch_size],
-                                 max(max_tokens[i : i + batch_size]))  # fmt: skip
+        slots += padded_generate(
+            hf_model, prompts[i : i + batch_size], max(max_tokens[i : i + batch_size])
+        )
     seconds = timer(hf_model.device) - start
     asked = sum(max_tokens)
-    note = (f"transformers (padded generate, batch {batch_size}) computed {slots:,} token slots "
-            f"to give the {asked:,} asked for; only those are counted")  # fmt: skip
+    note = (
+        f"transformers (padded generate, batch {batch_size}) computed {slots:,} token slots "
+        f"to give the {asked:,} asked for; only those are counted"
+    )
     return BenchResult("transformers generate (padded)", asked, seconds, None, note)
 
 
@@ -116,11 +126,20 @@ def run_continuous(hf_model, workload: Workload) -> BenchResult:
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     prompts, max_tokens = workload
-    config = GenerationConfig(do_sample=True, temperature=0.6, top_k=0, top_p=1.0,
-                              eos_token_id=-1, max_new_tokens=max(max_tokens))  # fmt: skip
+    config = GenerationConfig(
+        do_sample=True,
+        temperature=0.6,
+        top_k=0,
+        top_p=1.0,
+        eos_token_id=-1,
+        max_new_tokens=max(max_tokens),
+    )
     longest_prompt, most_tokens = max(len(p) for p in prompts), max(max_tokens)
-    hints = WorkloadHints(max_prompt_length=longest_prompt, max_generated_length=most_tokens,
-                          num_requests=len(prompts))  # fmt: skip
+    hints = WorkloadHints(
+        max_prompt_length=longest_prompt,
+        max_generated_length=most_tokens,
+        num_requests=len(prompts),
+    )
     manager = hf_model.init_continuous_batching(generation_config=config, workload_hints=hints)
     manager.warmup()  # captures CUDA graphs; the warm-up request below does the rest
     manager.start()

@@ -40,8 +40,13 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--num-seqs", type=positive_int, default=256)
     p.add_argument("--max-input-len", type=positive_int, default=1024)
     p.add_argument("--max-output-len", type=positive_int, default=1024)
-    p.add_argument("--first", type=positive_int, default=None, metavar="N",
-                   help="time only the first N requests of the --num-seqs workload")  # fmt: skip
+    p.add_argument(
+        "--first",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="time only the first N requests of the --num-seqs workload",
+    )
     p.add_argument(
         "--shared-prefix",
         type=positive_int,
@@ -100,9 +105,11 @@ def engine_config(args, model_config, workload: Workload) -> EngineConfig:
         raise ValueError(f"--{field.replace('_', '-')}: {err}") from None
     longest = max(len(p) + m for p, m in zip(*workload))
     if longest > config.max_model_len:
-        raise ValueError(f"--max-model-len: the longest request needs {longest} tokens "
-                         f"(prompt + max_tokens), more than max_model_len {config.max_model_len}; "
-                         "lower --max-input-len or --max-output-len")  # fmt: skip
+        raise ValueError(
+            f"--max-model-len: the longest request needs {longest} tokens "
+            f"(prompt + max_tokens), more than max_model_len {config.max_model_len}; "
+            "lower --max-input-len or --max-output-len"
+        )
     return config
 
 
@@ -128,8 +135,10 @@ def run_nanoserve(spec, model, stage: int, config: EngineConfig, workload: Workl
     else:  # a stage before 09 runs on one rank, beside the sharded one in the same table
         config = dataclasses.replace(config, tensor_parallel_size=1)
         engine = build_engine(stage, config, spec, model.config.eos_token_ids, model=model)
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m)
-              for m in [WARMUP_MAX_TOKENS, *workload.max_tokens]]  # fmt: skip
+    params = [
+        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m)
+        for m in [WARMUP_MAX_TOKENS, *workload.max_tokens]
+    ]
     drive(engine, [workload.prompt_token_ids[0][:WARMUP_PROMPT_LEN]], params[:1])  # warm-up
     preemptions_before = engine.scheduler.num_preemptions
     prefill_before = engine.num_prefill_tokens
@@ -158,32 +167,42 @@ def describe(args, model, config: EngineConfig, workload: Workload) -> list[str]
         where = torch.cuda.get_device_name(device)
     lens, max_tokens = [len(p) for p in workload.prompt_token_ids], workload.max_tokens
     shared = f", first {args.shared_prefix} tokens shared" if args.shared_prefix else ""
-    return [f"device {where}, dtype {dtype}, model {args.model}",
-            f"engine: max_num_seqs {config.max_num_seqs}, max_num_batched_tokens "
-            f"{config.max_num_batched_tokens}, max_model_len {config.max_model_len}",
-            f"workload: {len(lens)} requests, prompts {min(lens)}..{max(lens)} tokens "
-            f"({sum(lens):,} in all), max_tokens {min(max_tokens)}..{max(max_tokens)} "
-            f"({sum(max_tokens):,} in all), temperature 0.6, ignore_eos{shared}"]  # fmt: skip
+    return [
+        f"device {where}, dtype {dtype}, model {args.model}",
+        f"engine: max_num_seqs {config.max_num_seqs}, max_num_batched_tokens "
+        f"{config.max_num_batched_tokens}, max_model_len {config.max_model_len}",
+        f"workload: {len(lens)} requests, prompts {min(lens)}..{max(lens)} tokens "
+        f"({sum(lens):,} in all), max_tokens {min(max_tokens)}..{max(max_tokens)} "
+        f"({sum(max_tokens):,} in all), temperature 0.6, ignore_eos{shared}",
+    ]
 
 
 def format_table(results: list[BenchResult]) -> list[str]:
     """One row per engine; the last column is throughput relative to the first row."""
-    lines = [f"{'engine':<34} {'output tok':>10} {'seconds':>9} {'tok/s':>9} "
-             f"{'preempt':>8} {'prefill tok':>11} {'vs first':>9}"]  # fmt: skip
+    lines = [
+        f"{'engine':<34} {'output tok':>10} {'seconds':>9} {'tok/s':>9} "
+        f"{'preempt':>8} {'prefill tok':>11} {'vs first':>9}"
+    ]
     for r in results:
         preempt = "-" if r.preemptions is None else str(r.preemptions)
         prefill = "-" if r.prefill_tokens is None else f"{r.prefill_tokens:,}"
         ratio = r.tokens_per_s / results[0].tokens_per_s
-        lines.append(f"{r.engine:<34} {r.output_tokens:>10,} {r.seconds:>9.2f} "
-                     f"{r.tokens_per_s:>9.1f} {preempt:>8} {prefill:>11} "
-                     f"{ratio:>8.2f}x")  # fmt: skip
+        lines.append(
+            f"{r.engine:<34} {r.output_tokens:>10,} {r.seconds:>9.2f} "
+            f"{r.tokens_per_s:>9.1f} {preempt:>8} {prefill:>11} "
+            f"{ratio:>8.2f}x"
+        )
     return lines + [f"note: {r.note}" for r in results if r.note]
 
 
 def write_json(path: str, header: list[str], args, stages: list[int], results: list) -> None:
     """The run as JSON: header lines, options (stages flattened), and one record per engine."""
-    records = [dict(r._asdict(), tokens_per_s=r.tokens_per_s,
-                    ratio=r.tokens_per_s / results[0].tokens_per_s) for r in results]  # fmt: skip
+    records = [
+        dict(
+            r._asdict(), tokens_per_s=r.tokens_per_s, ratio=r.tokens_per_s / results[0].tokens_per_s
+        )
+        for r in results
+    ]
     options = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
     options["stage"] = stages
     with open(path, "w") as f:

@@ -52,7 +52,7 @@ def add_serve_bench_args(parser) -> None:
         help="clients with a request in flight, at most, shared out over the client processes "
         "(default: no limit)",
     )
-    group.add_argument("--seed", type=int, default=0, help="seeds the arrival times")  # fmt: skip
+    group.add_argument("--seed", type=int, default=0, help="seeds the arrival times")
     group.add_argument(
         "--client-processes",
         type=positive_int,
@@ -68,8 +68,14 @@ def requested_client_processes(args) -> int:
 
 def drive(url: str, workload: Workload, args) -> tuple[list[Timing], float]:
     """The workload from the clients the options ask for: (timings, seconds from the start)."""
-    return clients.drive(url, workload, args.request_rate, args.max_concurrency, args.seed,
-                         requested_client_processes(args))  # fmt: skip
+    return clients.drive(
+        url,
+        workload,
+        args.request_rate,
+        args.max_concurrency,
+        args.seed,
+        requested_client_processes(args),
+    )
 
 
 def percentiles(values: list[float]) -> str:
@@ -91,9 +97,26 @@ def free_port() -> int:
 
 def serve_command(args, stage: int, device: str, dtype: str, port: int) -> list[str]:
     """`python -m nanoserve serve` with the bench's model, stage, device, dtype and engine flags."""
-    command = [sys.executable, "-m", "nanoserve", "serve", "--model", args.model, "--stage",
-               str(stage), "--device", device, "--dtype", dtype, "--port", str(port),
-               "--served-model-name", SERVED_NAME, "--log-level", "warning"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "nanoserve",
+        "serve",
+        "--model",
+        args.model,
+        "--stage",
+        str(stage),
+        "--device",
+        device,
+        "--dtype",
+        dtype,
+        "--port",
+        str(port),
+        "--served-model-name",
+        SERVED_NAME,
+        "--log-level",
+        "warning",
+    ]
     for name, value in engine_options(args).items():
         command += [f"--{name.replace('_', '-')}", str(value)]
     return command
@@ -110,13 +133,18 @@ class ServerProcess:
     def __enter__(self) -> str:
         import httpx
 
-        self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT,
-                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+        self.process = subprocess.Popen(
+            self.command,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         deadline = time.monotonic() + STARTUP_TIMEOUT
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"nanoserve serve exited ({self.process.returncode}):\n"
-                                   f"{self.log_tail()}")  # fmt: skip
+                raise RuntimeError(
+                    f"nanoserve serve exited ({self.process.returncode}):\n{self.log_tail()}"
+                )
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
                     return self.url
@@ -146,8 +174,9 @@ def served_result(timings: list[Timing], seconds: float, args) -> BenchResult:
     """The served run as a row of the bench table."""
     rate = "inf" if args.request_rate == math.inf else f"{args.request_rate:g}/s"
     num_clients = args.max_concurrency or len(timings)
-    processes = clients.num_client_processes(requested_client_processes(args), len(timings),
-                                             args.max_concurrency)  # fmt: skip
+    processes = clients.num_client_processes(
+        requested_client_processes(args), len(timings), args.max_concurrency
+    )
     name = f"served, rate {rate}, {num_clients} clients"
     name += f" in {processes} processes" if processes > 1 else ""
     return BenchResult(name, sum(t.num_tokens for t in timings), seconds, None)
@@ -157,8 +186,10 @@ def latency_lines(timings: list[Timing]) -> list[str]:
     """TTFT and ITL percentiles of the served run."""
     ttft = [t.token_times[0] - t.sent for t in timings if t.token_times]
     itl = [gap for t in timings for gap in t.inter_token_gaps()]
-    return [f"time to first token   {percentiles(ttft)}",
-            f"inter-token latency   {percentiles(itl)}"]  # fmt: skip
+    return [
+        f"time to first token   {percentiles(ttft)}",
+        f"inter-token latency   {percentiles(itl)}",
+    ]
 
 
 def overhead_line(offline: BenchResult, served: BenchResult, rate: float) -> str:
@@ -168,7 +199,9 @@ def overhead_line(offline: BenchResult, served: BenchResult, rate: float) -> str
     run paced by its arrivals would count the waiting for requests as overhead.
     """
     if rate != math.inf:
-        return (f"serving overhead      not measured: the arrivals ({rate:g}/s) pace the served "
-                f"run, and offline has every request at once")  # fmt: skip
+        return (
+            f"serving overhead      not measured: the arrivals ({rate:g}/s) pace the served "
+            f"run, and offline has every request at once"
+        )
     overhead = 1 - served.tokens_per_s / offline.tokens_per_s
     return f"serving overhead      {overhead:.1%} of offline throughput"

@@ -52,8 +52,10 @@ def make_workload(num_seqs=256, max_input_len=1024, max_output_len=1024, seed=0)
     """nano-vLLM's bench requests: all prompts are drawn first, then all max_tokens."""
     rng = random.Random(seed)  # the same stream as nano-vLLM's random.seed(0) + randint
     low_in, low_out = (MIN_LEN if n >= MIN_LEN else 1 for n in (max_input_len, max_output_len))
-    prompts = [[rng.randint(0, TOKEN_ID_HIGH) for _ in range(rng.randint(low_in, max_input_len))]
-               for _ in range(num_seqs)]  # fmt: skip
+    prompts = [
+        [rng.randint(0, TOKEN_ID_HIGH) for _ in range(rng.randint(low_in, max_input_len))]
+        for _ in range(num_seqs)
+    ]
     max_tokens = [rng.randint(low_out, max_output_len) for _ in range(num_seqs)]
     return Workload(prompts, max_tokens)
 

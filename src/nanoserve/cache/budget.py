@@ -35,8 +35,9 @@ def kv_budget_bytes(config: EngineConfig, device: torch.device, warmup_peak_byte
     return max(0, int(total * config.gpu_memory_utilization - used - warmup_peak_bytes))
 
 
-def units_in_budget(budget_bytes: int, bytes_per_token: int, tokens_per_unit: int,
-                    unit: str) -> int:  # fmt: skip
+def units_in_budget(
+    budget_bytes: int, bytes_per_token: int, tokens_per_unit: int, unit: str
+) -> int:
     """How many units (slabs, blocks) of tokens_per_unit tokens the budget holds, >= 1."""
     unit_bytes = tokens_per_unit * bytes_per_token
     fits = budget_bytes // unit_bytes

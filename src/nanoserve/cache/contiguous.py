@@ -25,8 +25,7 @@ class ContiguousKVCache:
     """The slab tensor. To the input packer a slab is one block of max_model_len tokens:
     sequence i's block table is [slab_id], so slot_mapping reads slab_id * max_model_len + p."""
 
-    def __init__(self, num_slabs, num_layers, max_model_len, num_kv_heads, head_dim, dtype,
-                 device):  # fmt: skip
+    def __init__(self, num_slabs, num_layers, max_model_len, num_kv_heads, head_dim, dtype, device):
         shape = (2, num_layers, num_slabs, max_model_len, num_kv_heads, head_dim)
         self.kv = torch.zeros(shape, dtype=dtype, device=device)
         self.max_model_len = max_model_len

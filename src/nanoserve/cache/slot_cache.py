@@ -18,8 +18,7 @@ import torch
 class SlotKVCache:
     """Flat per-layer K/V addressed by slot; `kernels/slot_attention.py` writes and reads it."""
 
-    def __init__(self, num_blocks, block_size, num_layers, num_kv_heads, head_dim, dtype,
-                 device):  # fmt: skip
+    def __init__(self, num_blocks, block_size, num_layers, num_kv_heads, head_dim, dtype, device):
         shape = (2, num_layers, num_blocks * block_size, num_kv_heads, head_dim)
         self.kv = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size

@@ -18,8 +18,9 @@ from nanoserve.types import Sequence
 class BlockManager:
     """can_allocate / allocate / can_append / may_append / deallocate over a block pool."""
 
-    def __init__(self, num_blocks: int, block_size: int, allocator_cls=BlockAllocator,
-                 table_cls=BlockTable):  # fmt: skip
+    def __init__(
+        self, num_blocks: int, block_size: int, allocator_cls=BlockAllocator, table_cls=BlockTable
+    ):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.allocator = allocator_cls(num_blocks)

@@ -65,10 +65,12 @@ def view_rows(static: StepInputs, rows: int) -> StepInputs:
     """The first `rows` rows of the static buffers (views: a graph records their addresses)."""
     md = static.metadata
     metadata = md._replace(
-        cu_seqlens_q=md.cu_seqlens_q[: rows + 1], cu_seqlens_k=md.cu_seqlens_k[: rows + 1],
-        slot_mapping=md.slot_mapping[:rows], context_lens=md.context_lens[:rows],
+        cu_seqlens_q=md.cu_seqlens_q[: rows + 1],
+        cu_seqlens_k=md.cu_seqlens_k[: rows + 1],
+        slot_mapping=md.slot_mapping[:rows],
+        context_lens=md.context_lens[:rows],
         block_tables=md.block_tables[:rows],
-    )  # fmt: skip
+    )
     return StepInputs(static.input_ids[:rows], static.positions[:rows], metadata)
 
 
@@ -109,10 +111,12 @@ class DecodeGraphs:
             self.graphs[bucket] = graph
         torch.cuda.synchronize()
         logger.info(
-            "captured %d decode graphs (buckets %s) in %.1f s, %.1f MiB", len(self.graphs),
-            self.buckets, time.perf_counter() - start,
+            "captured %d decode graphs (buckets %s) in %.1f s, %.1f MiB",
+            len(self.graphs),
+            self.buckets,
+            time.perf_counter() - start,
             (torch.cuda.memory_allocated() - before) / 2**20,
-        )  # fmt: skip
+        )
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         return self.model(inputs.input_ids, inputs.positions, self.attention, inputs.metadata)
@@ -120,8 +124,11 @@ class DecodeGraphs:
     def can_replay(self, step: StepInputs) -> bool:
         """True for a decode step that fits a bucket and the captured table width."""
         md = step.metadata
-        return (not md.is_prefill and bucket_for(md.num_seqs, self.buckets) is not None
-                and md.block_tables.shape[1] <= self.width)  # fmt: skip
+        return (
+            not md.is_prefill
+            and bucket_for(md.num_seqs, self.buckets) is not None
+            and md.block_tables.shape[1] <= self.width
+        )
 
     def replay(self, step: StepInputs) -> torch.Tensor:
         """Hidden states (num_seqs, hidden) of an unpadded decode step, by graph replay."""

@@ -38,8 +38,15 @@ def slots_for(table: list[int], start: int, end: int, block_size: int) -> list[i
     return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
-def pack_step(seqs: list[Sequence], tables: list[list[int]], block_size: int, device, *,
-              is_prefill: bool, from_start: bool = False) -> StepInputs:  # fmt: skip
+def pack_step(
+    seqs: list[Sequence],
+    tables: list[list[int]],
+    block_size: int,
+    device,
+    *,
+    is_prefill: bool,
+    from_start: bool = False,
+) -> StepInputs:
     """Each sequence's tokens of this step (all of them when from_start) on one axis, no padding.
 
     Prefill packs the uncached prompt, decode the one newest token: both are
@@ -76,9 +83,17 @@ def pack_rows(rows: list[StepRow], block_size: int, device, *, is_prefill: bool)
         cu_seqlens_q.append(cu_seqlens_q[-1] + end - start)
         cu_seqlens_k.append(cu_seqlens_k[-1] + end)
         context_lens.append(end)
-    return step_inputs_from_lists(is_prefill, input_ids, positions, slot_mapping, cu_seqlens_q,
-                                  cu_seqlens_k, context_lens, [r.block_table for r in rows],
-                                  device)  # fmt: skip
+    return step_inputs_from_lists(
+        is_prefill,
+        input_ids,
+        positions,
+        slot_mapping,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        context_lens,
+        [r.block_table for r in rows],
+        device,
+    )
 
 
 def chunk_end(seq: Sequence) -> int:
@@ -93,8 +108,14 @@ def prepare_prefill(seqs: list[Sequence], block_size: int, device) -> StepInputs
     return pack_step(seqs, [s.block_table for s in seqs], block_size, device, is_prefill=True)
 
 
-def prepare_decode(seqs: list[Sequence], block_size: int, device, *, batch_size: int | None = None,
-                   table_width: int | None = None) -> StepInputs:  # fmt: skip
+def prepare_decode(
+    seqs: list[Sequence],
+    block_size: int,
+    device,
+    *,
+    batch_size: int | None = None,
+    table_width: int | None = None,
+) -> StepInputs:
     """One token per sequence, its last; it attends over its whole history.
 
     batch_size and table_width pad the step to fixed shapes (stage 08's CUDA graphs replay on
@@ -133,14 +154,22 @@ def pad_decode(step: StepInputs, batch_size: int, table_width: int) -> StepInput
         context_lens=grow(md.context_lens, 0, batch_size),
         block_tables=grow(md.block_tables, -1, batch_size, table_width),
     )
-    return StepInputs(grow(step.input_ids, 0, batch_size), grow(step.positions, 0, batch_size),
-                      metadata)  # fmt: skip
+    return StepInputs(
+        grow(step.input_ids, 0, batch_size), grow(step.positions, 0, batch_size), metadata
+    )
 
 
-def step_inputs_from_lists(is_prefill: bool, input_ids: list[int], positions: list[int],
-                           slot_mapping: list[int], cu_seqlens_q: list[int],
-                           cu_seqlens_k: list[int], context_lens: list[int],
-                           block_tables: list[list[int]], device) -> StepInputs:  # fmt: skip
+def step_inputs_from_lists(
+    is_prefill: bool,
+    input_ids: list[int],
+    positions: list[int],
+    slot_mapping: list[int],
+    cu_seqlens_q: list[int],
+    cu_seqlens_k: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    device,
+) -> StepInputs:
     """StepInputs from plain lists: tensors in the engine's dtypes, tables padded with -1."""
 
     def as_tensor(values, dtype=np.int64) -> torch.Tensor:
@@ -202,8 +231,16 @@ class InputPacker:
     them through `components=`.
     """
 
-    def __init__(self, block_size: int, device, *, table_of=block_table, from_start=False,
-                 prepare_prefill=prepare_prefill, prepare_decode=prepare_decode):  # fmt: skip
+    def __init__(
+        self,
+        block_size: int,
+        device,
+        *,
+        table_of=block_table,
+        from_start=False,
+        prepare_prefill=prepare_prefill,
+        prepare_decode=prepare_decode,
+    ):
         self.block_size, self.device = block_size, device
         self.table_of, self.from_start = table_of, from_start
         self.prepare_prefill, self.prepare_decode = prepare_prefill, prepare_decode
@@ -213,8 +250,9 @@ class InputPacker:
         if self.table_of is block_table:  # stage 03 on: the stage-04 verbs, a learner's or ours
             prepare = self.prepare_prefill if batch.is_prefill else self.prepare_decode
             return prepare(batch.seqs, self.block_size, self.device)
-        return pack_rows(self.rows(batch).rows, self.block_size, self.device,
-                         is_prefill=batch.is_prefill)  # fmt: skip
+        return pack_rows(
+            self.rows(batch).rows, self.block_size, self.device, is_prefill=batch.is_prefill
+        )
 
     def rows(self, batch: ScheduledBatch) -> StepMessage:
         """The batch as plain rows: what rank 0 sends each tensor-parallel worker."""
@@ -223,5 +261,4 @@ class InputPacker:
 
     def prepare_rows(self, message: StepMessage) -> StepInputs:
         """A worker's step: rank 0's rows packed exactly as rank 0 packed them."""
-        return pack_rows(message.rows, self.block_size, self.device,
-                         is_prefill=message.is_prefill)  # fmt: skip
+        return pack_rows(message.rows, self.block_size, self.device, is_prefill=message.is_prefill)

@@ -22,8 +22,14 @@ from nanoserve.types import Sequence
 class LLMEngine:
     """One scheduler, one model runner, and the request checks in front of them."""
 
-    def __init__(self, config: EngineConfig, runner: ModelRunner, manager: KVCacheManager,
-                 eos_ids: Iterable[int], attention: BackendChoice):  # fmt: skip
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        manager: KVCacheManager,
+        eos_ids: Iterable[int],
+        attention: BackendChoice,
+    ):
         self.config = config
         self.runner = runner
         self.manager = manager

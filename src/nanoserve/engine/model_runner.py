@@ -51,9 +51,15 @@ def completes_prompt(seq: Sequence) -> bool:
 class ModelRunner:
     """The model and everything a step needs; per step: prepare, forward, sample."""
 
-    def __init__(self, model: CausalLM, cache: KVCache, attention: AttentionBackend,
-                 packer: InputPacker, graphs: DecodeGraphs | None = None,
-                 workers: StepFanout | None = None):  # fmt: skip
+    def __init__(
+        self,
+        model: CausalLM,
+        cache: KVCache,
+        attention: AttentionBackend,
+        packer: InputPacker,
+        graphs: DecodeGraphs | None = None,
+        workers: StepFanout | None = None,
+    ):
         self.model = model
         self.device, self.dtype = cache.device, model.dtype
         self.cache, self.attention, self.packer = cache, attention, packer
@@ -107,8 +113,13 @@ class ModelRunner:
             self.workers.shutdown()
 
 
-def forward_logits(model: CausalLM, inputs: StepInputs, attention, num_seqs: int,
-                   graphs: DecodeGraphs | None = None) -> torch.Tensor | None:  # fmt: skip
+def forward_logits(
+    model: CausalLM,
+    inputs: StepInputs,
+    attention,
+    num_seqs: int,
+    graphs: DecodeGraphs | None = None,
+) -> torch.Tensor | None:
     """One model call: a graph replay for a decode step that fits one, else eager."""
     if graphs is not None and graphs.can_replay(inputs):
         return model.compute_logits(graphs.replay(inputs))  # one row per sequence

@@ -90,8 +90,11 @@ class TableManager:
 
 
 def build_table_manager(
-    num_blocks: int, block_size: int, max_model_len: int, allocator_cls=BlockAllocator,
+    num_blocks: int,
+    block_size: int,
+    max_model_len: int,
+    allocator_cls=BlockAllocator,
     table_cls=BlockTable,
-) -> TableManager:  # fmt: skip
+) -> TableManager:
     """The stage-03 manager over a (possibly learner-provided) allocator and block table."""
     return TableManager(allocator_cls(num_blocks), block_size, max_model_len, table_cls)

@@ -55,8 +55,9 @@ def blocks_with_refs(block_ids: list[int], manager) -> str:
     """A block table; a block another sequence also holds shows its holders: 0(x2)."""
     if not isinstance(manager, CountsRefs):
         return short(block_ids)
-    return short([f"{b}(x{manager.ref_counts[b]})" if manager.ref_counts[b] > 1 else b
-                  for b in block_ids])  # fmt: skip
+    return short(
+        [f"{b}(x{manager.ref_counts[b]})" if manager.ref_counts[b] > 1 else b for b in block_ids]
+    )
 
 
 def format_step(record: StepRecord, manager) -> str:

@@ -37,8 +37,15 @@ class AttentionBackend(Protocol):
 
     name: str
 
-    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                scale: float, metadata: AttentionMetadata) -> torch.Tensor: ...  # fmt: skip
+    def forward(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor: ...
 
 
 class BackendChoice(NamedTuple):
@@ -53,8 +60,9 @@ def is_importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def select_attention_backend(requested: str, device: torch.device,
-                             offered: tuple[str, ...]) -> BackendChoice:  # fmt: skip
+def select_attention_backend(
+    requested: str, device: torch.device, offered: tuple[str, ...]
+) -> BackendChoice:
     """The backend to run: the requested one if the stage offers it, or the best for the device.
 
     `offered` lists what the stage's composition can build, best first. "auto" takes the first

@@ -44,13 +44,33 @@ from nanoserve.kernels.paged_tiles import (
 
 @triton.jit
 def _decode_partition_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-    context_lens_ptr, block_tables_ptr, q_stride_b, q_stride_h, out_stride_b, out_stride_h,
-    block_tables_stride, qk_scale, partition_size, num_partitions, GROUP: tl.constexpr,
-    BLOCK_G: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, ACC_DTYPE: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    context_lens_ptr,
+    block_tables_ptr,
+    q_stride_b,
+    q_stride_h,
+    out_stride_b,
+    out_stride_h,
+    block_tables_stride,
+    qk_scale,
+    partition_size,
+    num_partitions,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+):
     seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)  # 0 on a padding row
     part_start = part * partition_size
@@ -71,8 +91,18 @@ def _decode_partition_kernel(
     table = block_tables_ptr + seq * block_tables_stride
     for start_n in range(part_start, part_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, offs_n, part_end, kv_head,
-                             offs_d, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)  # fmt: skip
+        k, v = load_kv_tile(
+            k_cache_ptr,
+            v_cache_ptr,
+            table,
+            offs_n,
+            part_end,
+            kv_head,
+            offs_d,
+            NUM_KV_HEADS,
+            HEAD_DIM,
+            BLOCK_SIZE,
+        )
         visible = (offs_n < part_end)[None, :]  # the one query is last: it sees all context
         m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, ACC_DTYPE)
 
@@ -89,10 +119,20 @@ def _decode_partition_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, context_lens_ptr, out_stride_b, out_stride_h,
-    partition_size, num_partitions, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
-):  # fmt: skip
+    out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    context_lens_ptr,
+    out_stride_b,
+    out_stride_h,
+    partition_size,
+    num_partitions,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
     seq, head = tl.program_id(0), tl.program_id(1)
     context_len = tl.load(context_lens_ptr + seq)
     offs_p = tl.arange(0, BLOCK_P)
@@ -147,20 +187,51 @@ def paged_attention_decode(
         return out
     part_m, part_l, part_acc = _decode_scratch(q, num_partitions)
     _decode_partition_kernel[(batch, num_kv_heads, num_partitions)](
-        q, k_cache, v_cache, out, part_m, part_l, part_acc, context_lens, block_tables,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        float(scale) * LOG2E, partition_size, num_partitions, GROUP=group,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        SPLIT=num_partitions > 1, ACC_DTYPE=acc_dtype(q), num_warps=num_warps,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        part_m,
+        part_l,
+        part_acc,
+        context_lens,
+        block_tables,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        float(scale) * LOG2E,
+        partition_size,
+        num_partitions,
+        GROUP=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d(head_dim),
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        SPLIT=num_partitions > 1,
+        ACC_DTYPE=acc_dtype(q),
+        num_warps=num_warps,
         num_stages=num_stages,
-    )  # fmt: skip
+    )
     if num_partitions > 1:
         _decode_reduce_kernel[(batch, num_heads)](
-            out, part_m, part_l, part_acc, context_lens, out.stride(0), out.stride(1),
-            partition_size, num_partitions, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-            BLOCK_D=block_d(head_dim), BLOCK_P=triton.next_power_of_2(num_partitions),
-        )  # fmt: skip
+            out,
+            part_m,
+            part_l,
+            part_acc,
+            context_lens,
+            out.stride(0),
+            out.stride(1),
+            partition_size,
+            num_partitions,
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d(head_dim),
+            BLOCK_P=triton.next_power_of_2(num_partitions),
+        )
     return out
 
 

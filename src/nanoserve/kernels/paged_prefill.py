@@ -37,12 +37,28 @@ from nanoserve.kernels.paged_tiles import (
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlens_q_ptr, context_lens_ptr,
-    block_tables_ptr, q_stride_t, q_stride_h, out_stride_t, out_stride_h, block_tables_stride,
-    qk_scale, GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, ACC_DTYPE: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    cu_seqlens_q_ptr,
+    context_lens_ptr,
+    block_tables_ptr,
+    q_stride_t,
+    q_stride_h,
+    out_stride_t,
+    out_stride_h,
+    block_tables_stride,
+    qk_scale,
+    GROUP: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+):
     seq, head, m_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
@@ -65,8 +81,18 @@ def _prefill_kernel(
     kv_end = context_len - q_len + tl.minimum((m_block + 1) * BLOCK_M, q_len)  # last row + 1
     for start_n in range(0, kv_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, offs_n, context_len, kv_head,
-                             offs_d, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)  # fmt: skip
+        k, v = load_kv_tile(
+            k_cache_ptr,
+            v_cache_ptr,
+            table,
+            offs_n,
+            context_len,
+            kv_head,
+            offs_d,
+            NUM_KV_HEADS,
+            HEAD_DIM,
+            BLOCK_SIZE,
+        )
         visible = offs_n[None, :] <= q_pos[:, None]  # causal: a row sees keys up to itself
         m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, ACC_DTYPE)
 
@@ -103,10 +129,28 @@ def paged_attention_prefill(
     if num_seqs == 0 or max_seqlen_q == 0:
         return out
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        float(scale) * LOG2E, GROUP=group, NUM_KV_HEADS=k_cache.shape[2], HEAD_DIM=head_dim,
-        BLOCK_D=block_d(head_dim), BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        ACC_DTYPE=acc_dtype(q), num_warps=num_warps, num_stages=num_stages,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        out,
+        cu_seqlens_q,
+        context_lens,
+        block_tables,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        float(scale) * LOG2E,
+        GROUP=group,
+        NUM_KV_HEADS=k_cache.shape[2],
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d(head_dim),
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        ACC_DTYPE=acc_dtype(q),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     return out

@@ -29,9 +29,17 @@ NEG_BIG = tl.constexpr(-1.0e30)
 
 @triton.jit
 def load_kv_tile(
-    k_cache_ptr, v_cache_ptr, block_table_ptr, offs_n, context_len, kv_head, offs_d,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-):  # fmt: skip
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    offs_n,
+    context_len,
+    kv_head,
+    offs_d,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
     """K and V of positions offs_n (BLOCK_N,) of one kv head: two (BLOCK_N, BLOCK_D) tiles."""
     in_context = offs_n < context_len
     block_id = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=in_context, other=0)

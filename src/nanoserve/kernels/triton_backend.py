@@ -21,8 +21,13 @@ class TritonPagedAttention:
 
     name = "triton"
 
-    def __init__(self, pool, store=store_kvcache, prefill=paged_attention_prefill,
-                 decode=paged_attention_decode):  # fmt: skip
+    def __init__(
+        self,
+        pool,
+        store=store_kvcache,
+        prefill=paged_attention_prefill,
+        decode=paged_attention_decode,
+    ):
         self.pool = pool  # anything with layer_caches(layer_id) -> (k_cache, v_cache)
         self.store, self.prefill, self.decode = store, prefill, decode
 
@@ -32,8 +37,16 @@ class TritonPagedAttention:
         md = metadata
         self.store(k, v, k_cache, v_cache, md.slot_mapping)
         if md.is_prefill:
-            return self.prefill(q, k_cache, v_cache, md.cu_seqlens_q, md.context_lens,
-                                md.block_tables, md.max_seqlen_q, scale)  # fmt: skip
+            return self.prefill(
+                q,
+                k_cache,
+                v_cache,
+                md.cu_seqlens_q,
+                md.context_lens,
+                md.block_tables,
+                md.max_seqlen_q,
+                scale,
+            )
         return self.decode(q, k_cache, v_cache, md.context_lens, md.block_tables, scale)
 
 

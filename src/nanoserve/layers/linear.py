@@ -46,8 +46,9 @@ class ColumnParallelLinear(nn.Module):
 
     bias: nn.Parameter | None  # registered in __init__ (None: no bias)
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 tp: TensorParallel = ONE_RANK):  # fmt: skip
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, tp: TensorParallel = ONE_RANK
+    ):
         super().__init__()
         self.tp = tp
         self.input_size, self.output_size = input_size, output_size
@@ -83,8 +84,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     [gate 3..5 | up 3..5], so each rank's output splits into its gate and its up halves.
     """
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
-                 tp: TensorParallel = ONE_RANK):  # fmt: skip
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        tp: TensorParallel = ONE_RANK,
+    ):
         self.output_sizes = list(output_sizes)
         for size in self.output_sizes:
             tp.split(size, "each merged projection's features")
@@ -109,8 +115,15 @@ class QKVParallelLinear(MergedColumnParallelLinear):
     """q, k and v in one weight, split by heads: rank r holds query heads [r * H/size, ...) and
     the KV heads [r * H_kv/size, ...) that exactly those query heads read (see the picture)."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False, tp: TensorParallel = ONE_RANK):  # fmt: skip
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        tp: TensorParallel = ONE_RANK,
+    ):
         self.num_heads = tp.split(num_heads, "num_attention_heads")  # this rank's
         self.num_kv_heads = tp.split(num_kv_heads, "num_key_value_heads")
         self.head_dim = head_dim
@@ -131,8 +144,9 @@ class RowParallelLinear(nn.Module):
 
     bias: nn.Parameter | None  # registered in __init__ (None: no bias)
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 tp: TensorParallel = ONE_RANK):  # fmt: skip
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, tp: TensorParallel = ONE_RANK
+    ):
         super().__init__()
         self.tp = tp
         self.input_size, self.output_size = input_size, output_size

@@ -30,15 +30,23 @@ class WeightMismatch(ValueError):
 # Hugging Face keeps q/k/v and gate/up apart; the decoder merges each group into one matmul.
 # (checkpoint name part, the decoder's name part, which slice of the merged weight it fills)
 STACKED_PARAMS = (
-    ("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"),
-    ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1),
-)  # fmt: skip
+    ("q_proj", "qkv_proj", "q"),
+    ("k_proj", "qkv_proj", "k"),
+    ("v_proj", "qkv_proj", "v"),
+    ("gate_proj", "gate_up_proj", 0),
+    ("up_proj", "gate_up_proj", 1),
+)
 
 StateDict = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 
-def build_model(config: ModelConfig, state_dict: StateDict | None, device: torch.device,
-                dtype: torch.dtype, tp: TensorParallel = ONE_RANK) -> CausalLM:  # fmt: skip
+def build_model(
+    config: ModelConfig,
+    state_dict: StateDict | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    tp: TensorParallel = ONE_RANK,
+) -> CausalLM:
     """A CausalLM on device in dtype holding rank tp.rank's slices, filled from state_dict
     (Hugging Face names, whole tensors or safetensors slices) or random when it is None."""
     if state_dict is None:
@@ -77,8 +85,11 @@ def unstacked(param_name: str) -> list[str]:
 
     "...self_attn.qkv_proj.weight" -> [...q_proj.weight, ...k_proj.weight, ...v_proj.weight]
     """
-    names = [param_name.replace(f".{ours}.", f".{theirs}.")
-             for theirs, ours, _ in STACKED_PARAMS if f".{ours}." in param_name]  # fmt: skip
+    names = [
+        param_name.replace(f".{ours}.", f".{theirs}.")
+        for theirs, ours, _ in STACKED_PARAMS
+        if f".{ours}." in param_name
+    ]
     return names or [param_name]
 
 

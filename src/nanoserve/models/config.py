@@ -17,8 +17,12 @@ ARCHITECTURES = {
 }
 # config.json keys with no sensible default: without them the decoder has no shape
 REQUIRED_KEYS = (
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-)  # fmt: skip
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
 SIZE_FIELDS = (*REQUIRED_KEYS, "num_key_value_heads", "head_dim", "max_position_embeddings")
 
 

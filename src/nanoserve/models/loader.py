@@ -92,8 +92,9 @@ def load_tokenizer(model: str | Path):
     return read_tokenizer(checkpoint_folder(model))
 
 
-def load_model(model: str | Path, device: torch.device, dtype: torch.dtype,
-               tp: TensorParallel = ONE_RANK) -> CausalLM:  # fmt: skip
+def load_model(
+    model: str | Path, device: torch.device, dtype: torch.dtype, tp: TensorParallel = ONE_RANK
+) -> CausalLM:
     """The model's weights from a known name, a GGUF file, a safetensors folder or a Hub id.
 
     With tensor parallelism each rank reads only its slices of the safetensors files. A preset
@@ -195,8 +196,9 @@ def converted_gguf(path: Path) -> Path:
         raise CheckpointError(str(err)) from None
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".converting-"))
-    save_file({k: v.contiguous() for k, v in checkpoint.state_dict.items()},
-              staging / "model.safetensors")  # fmt: skip
+    save_file(
+        {k: v.contiguous() for k, v in checkpoint.state_dict.items()}, staging / "model.safetensors"
+    )
     checkpoint.tokenizer.save_pretrained(staging)
     (staging / "config.json").write_text(json.dumps(checkpoint.config, indent=2))
     try:

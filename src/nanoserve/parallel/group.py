@@ -62,8 +62,10 @@ class WorkerGroup:
     def step(self, message: StepMessage) -> Iterator[None]:
         """Send every worker this step, then let rank 0 run its own share (see StepFanout)."""
         if self.closed_because is not None:
-            raise WorkerDied(f"the tensor-parallel engine is shut down ({self.closed_because}); "
-                             "build a new LLM to go on")  # fmt: skip
+            raise WorkerDied(
+                f"the tensor-parallel engine is shut down ({self.closed_because}); "
+                "build a new LLM to go on"
+            )
         try:
             num_bytes = broadcast(self.workers, message)
             self.largest_message_bytes = max(self.largest_message_bytes, num_bytes)
@@ -73,8 +75,10 @@ class WorkerGroup:
             self.shutdown(broken=True, reason=failure or f"a step failed on rank 0: {err!r}")
             if failure is None:
                 raise
-            raise WorkerDied(f"{failure}; the engine is shut down and this call's requests "
-                             "were aborted; build a new LLM to go on") from err  # fmt: skip
+            raise WorkerDied(
+                f"{failure}; the engine is shut down and this call's requests "
+                "were aborted; build a new LLM to go on"
+            ) from err
 
     def describe_failure(self, grace_s: float = 1.0) -> str | None:
         """Which workers failed and how, if any did (waiting up to grace_s for them to exit)."""
@@ -105,8 +109,9 @@ class WorkerGroup:
         sentinels = [w.sentinel for w in self.workers]
         while self.closed_because is None:
             if wait(sentinels, timeout=0.5) and self.closed_because is None:
-                dead = [w.describe_exit() for w in self.workers
-                        if w.process.exitcode not in (None, 0)]  # 0: asked to stop  # fmt: skip
+                dead = [
+                    w.describe_exit() for w in self.workers if w.process.exitcode not in (None, 0)
+                ]  # 0: asked to stop
                 if not dead:
                     return
                 logger.error("tensor-parallel worker died: %s", ", ".join(dead))
@@ -115,22 +120,25 @@ class WorkerGroup:
                 return
 
 
-def start_engine(stage: int, config: EngineConfig, spec: ModelSpec, eos_ids,
-                 components: dict | None = None) -> LLMEngine:  # fmt: skip
+def start_engine(
+    stage: int, config: EngineConfig, spec: ModelSpec, eos_ids, components: dict | None = None
+) -> LLMEngine:
     """Rank 0's engine plus tensor_parallel_size - 1 workers, each holding its shard."""
     size = config.tensor_parallel_size
     require_shardable(stage, size)
     check_divisible(load_model_config(spec.source), size)
     backend = process_group.backend_for(spec.device)
     if backend == "nccl" and size > torch_cuda_count():
-        raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs; "
-                         f"{torch_cuda_count()} are visible")  # fmt: skip
+        raise ValueError(
+            f"tensor_parallel_size={size} needs {size} GPUs; {torch_cuda_count()} are visible"
+        )
     store = process_group.host_store(size)
     group = spawn_workers(stage, config, spec, components, store, backend)
     try:
         group.wait_until(Booted, STARTUP_TIMEOUT_S)
-        rank0 = spec._replace(tp_rank=0, tp_size=size,
-                              device=process_group.device_for(spec.device, 0))  # fmt: skip
+        rank0 = spec._replace(
+            tp_rank=0, tp_size=size, device=process_group.device_for(spec.device, 0)
+        )
         process_group.join(store, backend, 0, size, rank0.device)
         engine = build_engine(stage, config, rank0, eos_ids, components, workers=group)
         group.wait_until(Ready, STARTUP_TIMEOUT_S)

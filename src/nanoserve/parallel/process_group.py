@@ -32,8 +32,9 @@ def device_for(device: torch.device, rank: int) -> torch.device:
 
 def host_store(world_size: int) -> dist.TCPStore:
     """Rank 0's rendezvous server, on a free port the OS picks (read it back from `.port`)."""
-    return dist.TCPStore(HOST, 0, world_size, is_master=True, wait_for_workers=False,
-                         timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
+    return dist.TCPStore(
+        HOST, 0, world_size, is_master=True, wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT
+    )
 
 
 def join(store: dist.Store, backend: str, rank: int, world_size: int, device) -> None:
@@ -48,9 +49,14 @@ def join(store: dist.Store, backend: str, rank: int, world_size: int, device) ->
         # Let a failed collective raise here instead of the NCCL watchdog killing the process
         # (its default); group.py aborts the communicator when a worker dies.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            timeout=COLLECTIVE_TIMEOUT,
-                            device_id=device if backend == "nccl" else None)  # fmt: skip
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=COLLECTIVE_TIMEOUT,
+        device_id=device if backend == "nccl" else None,
+    )
 
 
 def worker_store(port: int, world_size: int) -> dist.TCPStore:

@@ -25,8 +25,15 @@ class Booted(NamedTuple):
     rank: int
 
 
-def run_worker(conn: Connection, rank: int, port: int, stage: int, config: EngineConfig,
-               spec: ModelSpec, components: dict | None) -> None:  # fmt: skip
+def run_worker(
+    conn: Connection,
+    rank: int,
+    port: int,
+    stage: int,
+    config: EngineConfig,
+    spec: ModelSpec,
+    components: dict | None,
+) -> None:
     """The worker's whole life, run by `child_process.run_child`; an error ends it there."""
     conn.send(Booted(rank))
     store = process_group.worker_store(port, spec.tp_size)

@@ -46,9 +46,15 @@ class BuiltRunner(NamedTuple):
     attention: BackendChoice
 
 
-def build_engine(stage: int, config: EngineConfig, spec: ModelSpec, eos_ids, components=None,
-                 model: CausalLM | None = None,
-                 workers: StepFanout | None = None) -> LLMEngine:  # fmt: skip
+def build_engine(
+    stage: int,
+    config: EngineConfig,
+    spec: ModelSpec,
+    eos_ids,
+    components=None,
+    model: CausalLM | None = None,
+    workers: StepFanout | None = None,
+) -> LLMEngine:
     """The engine as of `stage`: the shared loop plus that stage's manager, cache and backend.
 
     The model is loaded from `spec` (or `model` is reused, built from the same spec); `workers`
@@ -58,9 +64,14 @@ def build_engine(stage: int, config: EngineConfig, spec: ModelSpec, eos_ids, com
     return LLMEngine(config, runner, manager, eos_ids, choice)
 
 
-def build_runner(stage: int, config: EngineConfig, spec: ModelSpec, components=None,
-                 model: CausalLM | None = None,
-                 workers: StepFanout | None = None) -> BuiltRunner:  # fmt: skip
+def build_runner(
+    stage: int,
+    config: EngineConfig,
+    spec: ModelSpec,
+    components=None,
+    model: CausalLM | None = None,
+    workers: StepFanout | None = None,
+) -> BuiltRunner:
     """Everything of a stage's engine but its loop: what a tensor-parallel worker runs."""
     require_shardable(stage, spec.tp_size)
     recipe = recipe_for(stage)
@@ -69,8 +80,13 @@ def build_runner(stage: int, config: EngineConfig, spec: ModelSpec, components=N
     if model is None:
         tp = TensorParallel(spec.tp_rank, spec.tp_size)
         model = load_model(spec.source, spec.device, spec.dtype, tp)
-    sizing = Sizing(model.config, spec.dtype, spec.device,
-                    lambda: budget_bytes(model, config, spec), spec.tp_size)  # fmt: skip
+    sizing = Sizing(
+        model.config,
+        spec.dtype,
+        spec.device,
+        lambda: budget_bytes(model, config, spec),
+        spec.tp_size,
+    )
     built = recipe.build(config, sizing, parts, choice.name)
     log_choice(choice)
     graphs = None
@@ -115,15 +131,22 @@ def checked_components(stage: int, recipe: Recipe, components: dict | None, back
 def unknown_components_message(stage: int, unknown: list[str], valid: list[str]) -> str:
     """Which keys are wrong, what the stage takes, and where a misplaced key belongs."""
     takes = ", ".join(valid) if valid else "no components"
-    homes = [f"{name} is a stage {s.number} component" for name in unknown for s in STAGES
-             if s.number != stage and name in recipe_for(s.number).parts][:1]  # fmt: skip
+    homes = [
+        f"{name} is a stage {s.number} component"
+        for name in unknown
+        for s in STAGES
+        if s.number != stage and name in recipe_for(s.number).parts
+    ][:1]
     hint = f" ({homes[0]})" if homes else ""
-    return (f"components {', '.join(map(repr, unknown))} are not parts of stage {stage}'s "
-            f"engine{hint}; stage {stage} takes {takes}")  # fmt: skip
+    return (
+        f"components {', '.join(map(repr, unknown))} are not parts of stage {stage}'s "
+        f"engine{hint}; stage {stage} takes {takes}"
+    )
 
 
-def capture_decode_graphs(model: CausalLM, built: EngineParts, config: EngineConfig,
-                          backend: str) -> DecodeGraphs | None:  # fmt: skip
+def capture_decode_graphs(
+    model: CausalLM, built: EngineParts, config: EngineConfig, backend: str
+) -> DecodeGraphs | None:
     """Stage 08: fuse the small ops and record decode graphs once the pool exists, or say (once)
     why decode stays eager (None)."""
     why_eager = None

@@ -23,9 +23,12 @@ def build(config: EngineConfig, sizing: Sizing, parts: dict, backend: str) -> En
     """The learner's block manager, step packing, store and gather (or ours) over one pool."""
     pool = build_pool(config, sizing)
     manager = parts.get("BlockManager", BlockManager)(pool.num_blocks, config.block_size)
-    packer = InputPacker(pool.block_size, sizing.device,
-                         prepare_prefill=parts.get("prepare_prefill", prepare_prefill),
-                         prepare_decode=parts.get("prepare_decode", prepare_decode))  # fmt: skip
+    packer = InputPacker(
+        pool.block_size,
+        sizing.device,
+        prepare_prefill=parts.get("prepare_prefill", prepare_prefill),
+        prepare_decode=parts.get("prepare_decode", prepare_decode),
+    )
     attention = TorchPagedAttention(
         pool, parts.get("store_kvcache", store_kvcache), parts.get("gather_kv", gather_kv)
     )

@@ -13,8 +13,9 @@ from nanoserve.recipes.recipe import EngineParts, Recipe, Sizing
 def build(config: EngineConfig, sizing: Sizing, parts: dict, backend: str) -> EngineParts:
     """The learner's prefix-caching manager (or ours) over stage 04's pool, stage 06's kernels."""
     pool = build_pool(config, sizing)
-    manager = parts.get("PrefixBlockManager", PrefixBlockManager)(pool.num_blocks,
-                                                                   config.block_size)  # fmt: skip
+    manager = parts.get("PrefixBlockManager", PrefixBlockManager)(
+        pool.num_blocks, config.block_size
+    )
     packer = InputPacker(pool.block_size, sizing.device)
     return EngineParts(manager, pool, packer, kernel_attention(pool, backend, {}))
 

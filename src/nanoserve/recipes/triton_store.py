@@ -29,5 +29,6 @@ def build(config: EngineConfig, sizing: Sizing, parts: dict, backend: str) -> En
     return EngineParts(manager, pool, packer, attention)
 
 
-RECIPE = Recipe(build, parts=("store_kvcache",), backends=("triton", "torch"),
-                parts_run_on="triton")  # fmt: skip
+RECIPE = Recipe(
+    build, parts=("store_kvcache",), backends=("triton", "torch"), parts_run_on="triton"
+)

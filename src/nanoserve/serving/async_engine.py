@@ -90,8 +90,11 @@ class EngineThread:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
         """Queue a request for the loop; call it on an event loop, which will get its deltas."""
         if not self.is_running:
-            raise EngineError(f"the engine loop is not running (it failed: {self.failure!r})"
-                              if self.failure else "the engine loop is not running")  # fmt: skip
+            raise EngineError(
+                f"the engine loop is not running (it failed: {self.failure!r})"
+                if self.failure
+                else "the engine loop is not running"
+            )
         stream = RequestStream(next(self._request_ids), asyncio.get_running_loop(), coalesce=True)
         self.commands.put(Add(stream, list(prompt_token_ids), params))
         return stream
@@ -143,8 +146,10 @@ class EngineThread:
     def abort_all(self, error: EngineError | None = None) -> list[Delivery]:
         """Abort every tracked request; each stream gets `error`, or an "abort" delta."""
         self.engine.abort(request.seq for request in self.requests.values())
-        deliveries = [Delivery(request.stream, error or TokenDelta([], "abort"))
-                      for request in self.requests.values()]  # fmt: skip
+        deliveries = [
+            Delivery(request.stream, error or TokenDelta([], "abort"))
+            for request in self.requests.values()
+        ]
         self.requests.clear()
         return deliveries
 
@@ -187,8 +192,9 @@ class AsyncEngine(EngineThread):
             if not new_token_ids and not seq.is_finished:
                 continue  # waiting, or a prefill chunk that sampled nothing yet
             request.num_sent += len(new_token_ids)
-            deliveries.append(Delivery(request.stream, TokenDelta(new_token_ids,
-                                                                  seq.finish_reason)))  # fmt: skip
+            deliveries.append(
+                Delivery(request.stream, TokenDelta(new_token_ids, seq.finish_reason))
+            )
             if seq.is_finished:
                 del self.requests[request_id]
         return deliveries
@@ -212,8 +218,9 @@ class AsyncEngine(EngineThread):
             with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is left to read
                 loop.call_soon_threadsafe(put_all, batch)
 
-    async def generate(self, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[TokenDelta]:  # fmt: skip
+    async def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[TokenDelta]:
         """Yield the request's deltas until it finishes: first an empty one once the engine has
         queued it (or the engine's ValueError, raised, if it rejects it), then its tokens as they
         come. EngineError if a step fails. Leaving early (close, cancel: a client hung up)
@@ -242,8 +249,11 @@ def put_all(deliveries: list[Delivery]) -> None:
 def unanswered(commands: list, requests: dict[int, Request], item) -> list[Delivery]:
     """`item` for the stream of each Add in `commands` that the loop does not track: on the way
     out of a failed iteration, the requests that would otherwise never hear back."""
-    return [Delivery(c.stream, item) for c in commands
-            if isinstance(c, Add) and c.stream.request_id not in requests]  # fmt: skip
+    return [
+        Delivery(c.stream, item)
+        for c in commands
+        if isinstance(c, Add) and c.stream.request_id not in requests
+    ]
 
 
 def put_all_threadsafe(deliveries: list[Delivery]) -> None:

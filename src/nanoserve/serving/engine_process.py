@@ -97,8 +97,9 @@ class EngineClient:
 
     generate = AsyncEngine.generate  # the caller's side is the thread loop's
 
-    def __init__(self, model: str, stage: int | None = None, device=None, dtype=None,
-                 **engine_options):  # fmt: skip
+    def __init__(
+        self, model: str, stage: int | None = None, device=None, dtype=None, **engine_options
+    ):
         """Check and describe the model here; `start` builds its engine in a new process."""
         from nanoserve.config import engine_config_for
         from nanoserve.models.loader import load_model_config, load_tokenizer, model_source
@@ -109,8 +110,9 @@ class EngineClient:
         self.tokenizer = load_tokenizer(source)
         self.config = engine_config_for(load_model_config(source), **engine_options)
         self.model = model
-        self.llm_options = dict(stage=self.stage.number, device=device, dtype=dtype,
-                                **engine_options)  # fmt: skip
+        self.llm_options = dict(
+            stage=self.stage.number, device=device, dtype=dtype, **engine_options
+        )
         self.streams: dict[int, RequestStream] = {}  # request_id -> its caller's stream
         self.stats = EngineStats()
         self.failure: EngineError | None = None
@@ -142,15 +144,17 @@ class EngineClient:
         if self.child is not None:
             raise RuntimeError("the engine process is already started")
         # Not a daemon: with tensor_parallel_size > 1 it starts worker processes of its own.
-        self.child = ChildProcess(engine_main, (self.model, self.llm_options),
-                                  name="the engine process", daemon=False)  # fmt: skip
+        self.child = ChildProcess(
+            engine_main, (self.model, self.llm_options), name="the engine process", daemon=False
+        )
         try:
             self.stats = self.child.receive(Ready, timeout, doing="start").info
         except BaseException:
             stop_all([self.child], polite=False, timeout_s=1.0)
             raise
-        self._reader = threading.Thread(target=self._read, name="nanoserve-engine-reader",
-                                        daemon=True)  # fmt: skip
+        self._reader = threading.Thread(
+            target=self._read, name="nanoserve-engine-reader", daemon=True
+        )
         self._reader.start()
 
     @property

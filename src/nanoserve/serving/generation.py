@@ -33,11 +33,23 @@ def sse(data: dict | str) -> str:
 class Generation:
     """One request through the engine loop; `chat` picks the chat shapes over completions'."""
 
-    def __init__(self, loop: AsyncEngine, metrics: Metrics, model: str, prompt_token_ids,
-                 params: SamplingParams, text: TextStream, chat: bool):  # fmt: skip
+    def __init__(
+        self,
+        loop: AsyncEngine,
+        metrics: Metrics,
+        model: str,
+        prompt_token_ids,
+        params: SamplingParams,
+        text: TextStream,
+        chat: bool,
+    ):
         self.loop, self.metrics, self.model = loop, metrics, model
         self.prompt_token_ids, self.params, self.text, self.chat = (
-            prompt_token_ids, params, text, chat)  # fmt: skip
+            prompt_token_ids,
+            params,
+            text,
+            chat,
+        )
         self.prompt_param = "messages" if chat else "prompt"  # the field a rejection names
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.kind = "chat.completion" if chat else "text_completion"
@@ -106,8 +118,11 @@ class Generation:
                     )
                 )
             async for piece, new_ids in self.pieces():
-                yield sse(protocol.envelope(self.id, self.model, kind,
-                                            [self._chunk_choice(piece, new_ids)]))  # fmt: skip
+                yield sse(
+                    protocol.envelope(
+                        self.id, self.model, kind, [self._chunk_choice(piece, new_ids)]
+                    )
+                )
         except EngineError as err:  # the headers are sent: the error becomes an event
             yield sse(APIError(500, str(err), type="server_error").body())
         if include_usage:

@@ -15,8 +15,22 @@ from collections import Counter
 from nanoserve.serving.request_stream import EngineStats
 
 # seconds; log-spaced from a fast GPU step to a slow CPU prefill
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-                   30.0)  # fmt: skip
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
 
 
 class Histogram:
@@ -70,8 +84,11 @@ class Metrics:
         gauge("requests_waiting", "Requests in the engine's waiting queue.", stats.num_waiting)
         gauge("kv_blocks_used", "KV cache blocks held by sequences.", stats.num_blocks_used)
         gauge("kv_blocks_free", "KV cache blocks free.", stats.num_blocks_free)
-        gauge("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens "
-              "admitted.", stats.prefix_cache_hit_rate)  # fmt: skip
+        gauge(
+            "prefix_cache_hit_rate",
+            "Prompt tokens found in the prefix cache / prompt tokens admitted.",
+            stats.prefix_cache_hit_rate,
+        )
         metric(
             "engine_steps_total",
             "counter",
@@ -84,9 +101,15 @@ class Metrics:
             "Sequences preempted for memory.",
             [f"preemptions_total {stats.num_preemptions}"],
         )
-        metric("requests_total", "counter", "Finished requests by finish reason.",
-               [f'requests_total{{finish_reason="{r}"}} {n}'
-                for r, n in sorted(self.requests.items())])  # fmt: skip
+        metric(
+            "requests_total",
+            "counter",
+            "Finished requests by finish reason.",
+            [
+                f'requests_total{{finish_reason="{r}"}} {n}'
+                for r, n in sorted(self.requests.items())
+            ],
+        )
         metric(
             "prompt_tokens_total",
             "counter",

@@ -20,16 +20,33 @@ from nanoserve.sampling import SEED_LIMIT, SamplingParams
 class APIError(Exception):
     """An error answered as OpenAI's error object, with its HTTP status."""
 
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = (
-            status, message, param, type, code)  # fmt: skip
+            status,
+            message,
+            param,
+            type,
+            code,
+        )
 
     def body(self) -> dict:
         """{"error": {"message", "type", "param", "code"}}, as OpenAI's API answers."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}  # fmt: skip
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 class StreamOptions(BaseModel):
@@ -119,29 +136,52 @@ class ChatCompletionRequest(SamplingFields):
 
 def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
     """OpenAI's usage object."""
-    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": num_prompt_tokens + num_completion_tokens}  # fmt: skip
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+    }
 
 
 def envelope(request_id: str, model: str, kind: str, choices: list[dict]) -> dict:
     """The fields every response and chunk shares; kind is the `object` field."""
-    return {"id": request_id, "object": kind, "created": int(time.time()), "model": model,
-            "choices": choices}  # fmt: skip
+    return {
+        "id": request_id,
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+    }
 
 
 def completion_choice(text: str, token_ids: list[int], finish_reason: str | None) -> dict:
     """A /v1/completions choice (whole or a chunk's piece); token_ids is nanoserve's extension."""
-    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-            "token_ids": token_ids}  # fmt: skip
+    return {
+        "index": 0,
+        "text": text,
+        "logprobs": None,
+        "finish_reason": finish_reason,
+        "token_ids": token_ids,
+    }
 
 
 def chat_choice(text: str, token_ids: list[int], finish_reason: str | None) -> dict:
     """A whole /v1/chat/completions choice."""
-    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-            "finish_reason": finish_reason, "token_ids": token_ids}  # fmt: skip
+    return {
+        "index": 0,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": None,
+        "finish_reason": finish_reason,
+        "token_ids": token_ids,
+    }
 
 
 def chat_chunk_choice(delta: dict, token_ids: list[int], finish_reason: str | None) -> dict:
     """A chat chunk's choice: `delta` holds the role (first chunk) and the new content."""
-    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
-            "token_ids": token_ids}  # fmt: skip
+    return {
+        "index": 0,
+        "delta": delta,
+        "logprobs": None,
+        "finish_reason": finish_reason,
+        "token_ids": token_ids,
+    }

@@ -77,8 +77,12 @@ class RequestStream:
 def joinable(waiting, item) -> bool:
     """True if `item` may be joined onto `waiting`: both TokenDeltas, and `waiting` carries
     tokens and no finish_reason."""
-    return (isinstance(waiting, TokenDelta) and isinstance(item, TokenDelta)
-            and bool(waiting.token_ids) and waiting.finish_reason is None)  # fmt: skip
+    return (
+        isinstance(waiting, TokenDelta)
+        and isinstance(item, TokenDelta)
+        and bool(waiting.token_ids)
+        and waiting.finish_reason is None
+    )
 
 
 class Delivery(NamedTuple):
@@ -133,6 +137,12 @@ class EngineStats(NamedTuple):
         num_free = getattr(manager, "num_free_blocks", None)
         num_blocks = getattr(manager, "num_blocks", None)
         used = None if num_free is None or num_blocks is None else num_blocks - num_free
-        return cls(len(scheduler.running), len(scheduler.waiting), used, num_free,
-                   getattr(manager, "hit_rate", None), engine.num_steps,
-                   scheduler.num_preemptions)  # fmt: skip
+        return cls(
+            len(scheduler.running),
+            len(scheduler.waiting),
+            used,
+            num_free,
+            getattr(manager, "hit_rate", None),
+            engine.num_steps,
+            scheduler.num_preemptions,
+        )

@@ -37,14 +37,19 @@ class ServedModel:
     def check_model(self, model: str) -> None:
         """404 unless the request names the model this server serves."""
         if model != self.name:
-            raise APIError(404, f"model {model!r} does not exist; this server serves "
-                           f"{self.name!r}", param="model", code="model_not_found")  # fmt: skip
+            raise APIError(
+                404,
+                f"model {model!r} does not exist; this server serves {self.name!r}",
+                param="model",
+                code="model_not_found",
+            )
 
     def encode(self, text: str, param: str) -> list[int]:
         """Token ids of a prompt text, as `LLM.generate` makes them (no special tokens added)."""
         if self.llm.tokenizer is None:
-            raise APIError(400, "this model has no tokenizer; send the prompt as token ids",
-                           param=param)  # fmt: skip
+            raise APIError(
+                400, "this model has no tokenizer; send the prompt as token ids", param=param
+            )
         return self.llm.tokenizer.encode(text, add_special_tokens=False)
 
     def generation(self, body, prompt_token_ids: list[int], default_max_tokens: int) -> Generation:
@@ -60,15 +65,20 @@ class ServedModel:
         await generation.start()
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(generation.events(include_usage),
-                                     media_type="text/event-stream")  # fmt: skip
+            return StreamingResponse(
+                generation.events(include_usage), media_type="text/event-stream"
+            )
         result = await response_unless_disconnected(generation, request.receive)
         return JSONResponse(result) if result is not None else Response(status_code=499)
 
 
-def create_app(llm: LLM, model_name: str, api_key: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES,
-               loop: AsyncEngine | None = None) -> FastAPI:  # fmt: skip
+def create_app(
+    llm: LLM,
+    model_name: str,
+    api_key: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    loop: AsyncEngine | None = None,
+) -> FastAPI:
     """The app serving `llm` as `model_name`; `loop` defaults to an AsyncEngine over its engine."""
     served = ServedModel(llm, model_name, loop or AsyncEngine(llm.engine))
 
@@ -93,13 +103,19 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None,
 
     @app.get("/metrics", dependencies=guarded)
     async def metrics() -> Response:
-        return PlainTextResponse(served.metrics.render(served.loop.stats),
-                                 media_type="text/plain; version=0.0.4")  # fmt: skip
+        return PlainTextResponse(
+            served.metrics.render(served.loop.stats), media_type="text/plain; version=0.0.4"
+        )
 
     @app.get("/v1/models", dependencies=guarded)
     async def models() -> dict:
-        card = {"id": served.name, "object": "model", "created": 0, "owned_by": "nanoserve",
-                "max_model_len": llm.config.max_model_len}  # fmt: skip
+        card = {
+            "id": served.name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "nanoserve",
+            "max_model_len": llm.config.max_model_len,
+        }
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions", dependencies=guarded)
@@ -130,8 +146,11 @@ def api_key_check(api_key: str):
     async def check(request: Request) -> None:
         given = request.headers.get("authorization", "").encode()
         if not hmac.compare_digest(given, expected):
-            raise APIError(401, "missing or incorrect API key (Authorization: Bearer <key>)",
-                           code="invalid_api_key")  # fmt: skip
+            raise APIError(
+                401,
+                "missing or incorrect API key (Authorization: Bearer <key>)",
+                code="invalid_api_key",
+            )
 
     return check
 
@@ -163,8 +182,9 @@ def add_error_handlers(app: FastAPI) -> None:
         return api_response(500, f"{type(err).__name__}: {err}", type="server_error")
 
 
-def api_response(status: int, message: str, param: str | None = None,
-                 type: str = "invalid_request_error") -> Response:  # fmt: skip
+def api_response(
+    status: int, message: str, param: str | None = None, type: str = "invalid_request_error"
+) -> Response:
     """An APIError as a JSON response."""
     return JSONResponse(APIError(status, message, param, type).body(), status)
 
@@ -212,8 +232,9 @@ class BodyLimit:
         await api_response(413, message)(scope, receive, send)
 
 
-def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000,
-               log_level: str = "info") -> None:  # fmt: skip
+def run_server(
+    app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info"
+) -> None:
     """Serve `app` with uvicorn until interrupted (Ctrl-C stops it cleanly)."""
     import uvicorn
 
