@@ -17,6 +17,8 @@ from nanoserve.engine.input_packer import prepare_decode
 from nanoserve.engine.kv_manager import KVCacheManager
 from nanoserve.kernels.backend import AttentionBackend, select_attention_backend
 from nanoserve.learner_api import has_learner_api, learner_api
+from nanoserve.recipes.assemble import recipe_for
+from nanoserve.recipes.recipe import Recipe
 from nanoserve.stages import STAGES, implemented_stages
 from nanoserve.testing import ENGINE_MAX_MODEL_LEN, engine_requests
 from nanoserve.types import Sequence
@@ -46,6 +48,15 @@ def test_every_implemented_stage_and_only_those_has_a_composition():
     assert [s.number for s in STAGES if has_learner_api(s.number)] == [
         s.number for s in implemented_stages()
     ]
+
+
+def test_every_implemented_stage_has_a_recipe_and_every_recipe_a_stage():
+    stems = {s.stem[3:] for s in implemented_stages()}
+    folder = ROOT / "src/nanoserve/recipes"
+    modules = {p.stem for p in folder.glob("*.py")} - {"__init__", "recipe", "assemble"}
+    assert modules == stems, "recipes/<slug>.py and the manifest's stems disagree"
+    for stage in implemented_stages():
+        assert isinstance(recipe_for(stage.number), Recipe), stage.stem
 
 
 @pytest.mark.parametrize("stage", [s.number for s in implemented_stages()])
