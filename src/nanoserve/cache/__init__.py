@@ -1,1 +1,1 @@
-"""Where keys and values live: nothing (00), contiguous slabs (01), blocks and pools (02-04)."""
+"""Where keys and values live, as tensors only: nothing (00), slabs (01), flat slots (03), the pool (04)."""

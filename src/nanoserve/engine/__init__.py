@@ -1,1 +1,1 @@
-"""The control plane (sequences, scheduler, block manager) and the loop that drives the model."""
+"""The engine loop, the scheduler and cache managers, and the model runner with its input packer."""

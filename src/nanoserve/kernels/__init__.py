@@ -1,1 +1,1 @@
-"""Attention math and (from stage 05) Triton kernels; the torch path here is the test oracle."""
+"""Every attention backend: the torch oracle and torch paths (00-04), Triton kernels (05-06)."""
