@@ -235,4 +235,10 @@ def test_task_5_the_engine_on_your_kernels_gives_stage_04_tokens(
     llm = LLM(
         tiny_llama_folder, stage=6, attention_backend="triton", components=components, **ENGINE
     )
-    assert greedy(llm, prompts) == stage_04_tokens
+    got = greedy(llm, prompts)
+    for i, (mine, want) in enumerate(zip(got, stage_04_tokens)):
+        assert mine == want, (
+            f"request {i} on your {' and '.join(pieces)} kernel(s) generated {mine}; stage 04 "
+            f"generated {want}"
+        )
+    assert got == stage_04_tokens, f"{len(got)} outputs for {len(stage_04_tokens)} requests"

@@ -171,9 +171,11 @@ def seed(impl):
 def test_task_1_a_key_is_at_least_16_bytes_and_the_same_for_the_same_inputs(impl):
     key = impl.chain_hash(b"", (11, 12, 13, 14))
     assert isinstance(key, bytes) and len(key) >= 16, f"got {key!r}: return bytes, 16 or more"
-    assert impl.chain_hash(b"", (11, 12, 13, 14)) == key
+    assert impl.chain_hash(b"", (11, 12, 13, 14)) == key, "the same inputs gave another key"
     child = impl.chain_hash(key, (21, 22, 23, 24))
-    assert isinstance(child, bytes) and impl.chain_hash(key, (21, 22, 23, 24)) == child
+    assert isinstance(child, bytes) and impl.chain_hash(key, (21, 22, 23, 24)) == child, (
+        f"a child key {child!r}: bytes, and the same for the same parent and tokens"
+    )
 
 
 def test_task_1_every_token_and_its_place_in_the_block_change_the_key(impl):

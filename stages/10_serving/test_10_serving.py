@@ -162,7 +162,10 @@ def test_task_1_an_abort_takes_a_waiting_request_off_the_queue(impl, tiny_llama_
     engine_loop = impl.AsyncEngine(new_llm(tiny_llama_folder).engine)
     stream = RequestStream(0, idle_loop)
     engine_loop.apply(Add(stream, [1, 2, 3], greedy(4)))
-    assert engine_loop.apply(Abort(0)) == [Delivery(stream, TokenDelta([], "abort"))]
+    out = engine_loop.apply(Abort(0))
+    assert out == [Delivery(stream, TokenDelta([], "abort"))], (
+        f"Abort(0) of a waiting request returned {out}: its stream hears TokenDelta([], 'abort')"
+    )
     assert engine_loop.requests == {}, f"still tracked after its abort: {engine_loop.requests}"
     assert_idle(engine_loop.engine)
 
@@ -293,7 +296,11 @@ def test_task_3_commands_come_first_then_one_step_then_the_fan_out(
     a_seq = engine_loop.requests[0].seq
     out = engine_loop.run_once([Abort(0)])
     assert a_seq not in calls[-1], "the abort must be applied before the next step"
-    assert [(d.stream, d.item.finish_reason) for d in out] == [(a, "abort"), (b, None)]
+    got = [(d.stream.request_id, d.item.finish_reason) for d in out]
+    assert [(d.stream, d.item.finish_reason) for d in out] == [(a, "abort"), (b, None)], (
+        f"the turn with Abort(0) delivered (request, finish_reason) {got}; expected the abort "
+        "first, (0, 'abort'), then b's token, (1, None)"
+    )
     manager = engine_loop.engine.manager
     assert manager.num_free_blocks == manager.num_blocks - 1, (
         f"{manager.num_blocks - manager.num_free_blocks} blocks held after the abort; only b's 1"
