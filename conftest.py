@@ -58,7 +58,7 @@ def pytest_configure(config):
     impl = grading.normalize_impl(chosen, base=config.invocation_params.dir)
     os.environ[grading.IMPL_ENV_VAR] = impl  # workers and child processes inherit it
     config.stash[_IMPL_KEY] = impl
-    if not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller has already checked
+    if not hasattr(config, "workerinput"):  # on an xdist worker, the controller has checked
         refuse_an_impl_that_cannot_load(impl, config.args, config.invocation_params.dir)
 
 
