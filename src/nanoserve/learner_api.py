@@ -1,6 +1,6 @@
 """Each stage's learner API: the names its starter.py defines, mapped to the reference objects.
 
-Introduced with the recipes (between stages 10 and 11), out of the engine: grading (`--impl ref`),
+Introduced with the recipes (after stage 10), out of the engine: grading (`--impl ref`),
 `nanoserve check` and the mutation self-test read it; no engine code does. The names are the
 stage's contract with the learner, so a starter defines exactly these (tests/test_seams.py).
 Stages 05 and 06 import Triton, a dev/gpu dependency, so their tables are built on first use.
