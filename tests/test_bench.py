@@ -145,7 +145,7 @@ def test_tiny_bench_compares_nanoserve_with_transformers(tmp_path, capsys):
     ],
 )
 def test_bad_options_raise_an_error_naming_the_option(argv, option):
-    with pytest.raises(ValueError, match=f"^{option}: "):
+    with pytest.raises(ValueError, match=f"^argument {option}: "):
         run_bench(parse(*TINY_RUN, *argv))
 
 
