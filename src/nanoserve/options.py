@@ -207,7 +207,7 @@ def default_num_threads(num_cpus: int | None = None) -> int:
 
     Every thread of a CPU matmul waits for the slowest; one that shares its core with another
     process (a tokenizer, a test run, the OS) stalls them all. Measured on a loaded 2-core VM
-    (README): 1 thread 13-14 tok/s, 2 threads 1.1-1.5 tok/s.
+    (docs/getting-started.md): 1 thread 12.9-14 tok/s, 2 threads 1.05-1.5 tok/s.
     """
     if num_cpus is None:
         usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
