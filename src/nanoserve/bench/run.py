@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
+import math
 import os
 
 from nanoserve.bench import serve
+from nanoserve.bench.report import bench_report, write_json
 from nanoserve.bench.workload import (
     WARMUP_MAX_TOKENS,
     WARMUP_PROMPT_LEN,
@@ -175,27 +176,13 @@ def format_table(results: list[BenchResult]) -> list[str]:
     for r in results:
         preempt = "-" if r.preemptions is None else str(r.preemptions)
         prefill = "-" if r.prefill_tokens is None else f"{r.prefill_tokens:,}"
-        ratio = r.tokens_per_s / results[0].tokens_per_s
+        ratio = r.tokens_per_s / results[0].tokens_per_s if results[0].tokens_per_s else math.nan
         lines.append(
             f"{r.engine:<34} {r.output_tokens:>10,} {r.seconds:>9.2f} "
             f"{r.tokens_per_s:>9.1f} {preempt:>8} {prefill:>11} "
             f"{ratio:>8.2f}x"
         )
     return lines + [f"note: {r.note}" for r in results if r.note]
-
-
-def write_json(path: str, header: list[str], args, stages: list[int], results: list) -> None:
-    """The run as JSON: header lines, options (stages flattened), and one record per engine."""
-    records = [
-        dict(
-            r._asdict(), tokens_per_s=r.tokens_per_s, ratio=r.tokens_per_s / results[0].tokens_per_s
-        )
-        for r in results
-    ]
-    options = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
-    options["stage"] = stages
-    with open(path, "w") as f:
-        json.dump({"header": header, "options": options, "results": records}, f, indent=2)
 
 
 def bench_workload(args, vocab_size: int | None) -> Workload:
@@ -228,7 +215,7 @@ def run_bench(args) -> int:
         results.append(run_transformers(args.model, model, workload, args.hf_batch_size))
     print("\n".join(format_table(results)))
     if args.json:
-        write_json(args.json, header, args, stages, results)
+        write_json(args.json, bench_report(args, header, stages, results, spec.device))
     return 0
 
 
@@ -236,7 +223,7 @@ def run_serve_bench(args, stages: list[int]) -> int:
     """Offline, then over HTTP, on the same requests (stage 10); --url: over HTTP only."""
     if len(stages) != 1:
         raise ValueError("argument --stage: --serve benchmarks one stage's engine at a time")
-    results, header = [], []
+    results, header, device = [], [], None
     if args.url:
         workload = bench_workload(args, None)  # the server rejects ids outside its vocabulary
         url = args.url.rstrip("/")
@@ -253,6 +240,7 @@ def run_serve_bench(args, stages: list[int]) -> int:
         dtype = str(model.dtype).removeprefix("torch.")
         del model  # the server loads its own; free this copy's memory first
         release_memory(spec.device)
+        device = spec.device
         port = serve.free_port()
         command = serve.serve_command(args, stages[0], spec.device.type, dtype, port)
         with serve.ServerProcess(command, port) as url:
@@ -264,5 +252,6 @@ def run_serve_bench(args, stages: list[int]) -> int:
         lines.append(serve.overhead_line(offline, served, args.request_rate))
     print("\n".join(lines))
     if args.json:
-        write_json(args.json, header + lines[len(results) + 1 :], args, stages, results)
+        header += lines[len(results) + 1 :]
+        write_json(args.json, bench_report(args, header, stages, results, device, timings))
     return 0
