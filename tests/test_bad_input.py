@@ -150,3 +150,21 @@ def test_the_cli_reports_a_missing_gpu_in_one_line(capsys, monkeypatch):
     assert main(["generate", "hi", "--device", "cuda", "--model", "tiny-llama", "--raw"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no CUDA GPU" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("messages", "message"),
+    [
+        (None, r"^messages is a NoneType; expected a list of"),
+        ("hi", r"^messages is a str"),
+        ({"role": "user", "content": "hi"}, r"^messages is a dict"),
+        ([], r"^messages is empty"),
+        ([3], r"^messages\[0\] is an int"),
+        ([[{"role": "user", "content": "hi"}], []], r"^messages\[1\] is empty"),
+        ([[{"role": "user", "content": "hi"}, "hi"]], r"^messages\[0\]\[1\] is a str"),
+    ],
+)
+def test_chat_with_messages_that_are_no_conversation_names_messages(llm, messages, message):
+    with pytest.raises(ValueError, match=message):
+        llm.chat(messages, use_tqdm=False)
+    assert serves_a_valid_request(llm)

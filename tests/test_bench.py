@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 
 import pytest
 import torch
 
+import nanoserve
+from nanoserve.bench.clients import Timing
 from nanoserve.bench.run import add_bench_parser, checked_stages, make_workload, run_bench
+from nanoserve.bench.workload import BenchResult
 from nanoserve.models.build import checkpoint_state_dict
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.presets import PRESETS, preset_config, random_model
@@ -127,10 +131,58 @@ def test_tiny_bench_compares_nanoserve_with_transformers(tmp_path, capsys):
     assert f"nanoserve stage {latest_stage().number}" in out  # the default: the newest stage
     assert "transformers generate (padded)" in out
     assert "1.00x" in out and "only those are counted" in out
-    report = json.loads(out_file.read_text())
+    report = strict_json(out_file.read_text())
     asked = sum(make_workload(3, 24, 6).max_tokens)
     assert [r["output_tokens"] for r in report["results"]] == [asked, asked]
     assert report["results"][0]["ratio"] == 1.0 and report["results"][1]["ratio"] > 0
+    assert report["version"] == nanoserve.__version__
+    assert report["commit"] is None or len(report["commit"]) == 40
+    assert report["device"]["type"] == "cpu" and report["device"]["torch_threads"] >= 1
+    assert datetime.datetime.fromisoformat(report["timestamp"]).tzinfo is not None
+
+
+def strict_json(text: str):
+    """json.loads that refuses NaN and Infinity, as JSON.parse does."""
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+# a request of 4 tokens in 3 chunks sent at 0 s, and one of 1 token sent at 1 s
+TIMINGS = [
+    Timing(sent=0.0, token_times=[0.1, 0.2, 0.4], token_counts=[1, 1, 2], done=0.45),
+    Timing(sent=1.0, token_times=[1.5], token_counts=[1], done=1.6),
+]
+
+
+def test_served_latencies_are_numbers_in_ms_with_a_record_per_request():
+    from nanoserve.bench.report import latency_report
+
+    report = latency_report(TIMINGS)
+    first, second = report["requests"]
+    assert first == pytest.approx(
+        dict(sent_ms=0, output_tokens=4, ttft_ms=100, tpot_ms=350 / 3, e2e_ms=450)
+    )
+    assert second["tpot_ms"] is None and second["sent_ms"] == pytest.approx(1000)
+    latency = report["latency_ms"]
+    assert latency["ttft"] == pytest.approx(dict(mean=300, p50=300, p90=460, p99=496))
+    assert latency["itl"] == pytest.approx(dict(mean=100, p50=100, p90=100, p99=100))
+    assert latency["tpot"]["p50"] == pytest.approx(350 / 3)
+    assert latency["e2e"]["mean"] == pytest.approx(525)
+
+
+def test_a_served_report_with_an_unbounded_rate_is_strict_json(tmp_path):
+    from nanoserve.bench.report import bench_report, write_json
+
+    served = BenchResult("served", 5, 0.0, None)  # zero seconds: an infinite tokens/s
+    report = bench_report(parse("--serve"), ["header"], [10], [served], None, TIMINGS)
+    write_json(str(tmp_path / "bench.json"), report)
+    loaded = strict_json((tmp_path / "bench.json").read_text())
+    assert loaded["options"]["request_rate"] is None  # inf: every request at once
+    assert loaded["results"][0]["tokens_per_s"] is None and loaded["device"] is None
+    assert len(loaded["requests"]) == 2
 
 
 @pytest.mark.parametrize(
@@ -145,7 +197,7 @@ def test_tiny_bench_compares_nanoserve_with_transformers(tmp_path, capsys):
     ],
 )
 def test_bad_options_raise_an_error_naming_the_option(argv, option):
-    with pytest.raises(ValueError, match=f"^{option}: "):
+    with pytest.raises(ValueError, match=f"^argument {option}: "):
         run_bench(parse(*TINY_RUN, *argv))
 
 

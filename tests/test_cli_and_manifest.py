@@ -43,7 +43,7 @@ def test_stages_command_prints_every_stage(capsys):
 
 def test_generate_command_reports_a_bad_argument_without_a_traceback(capsys):
     assert main(["generate", "hi", "--model", "no-such-model"]) == 2
-    assert "error: model 'no-such-model' is neither" in capsys.readouterr().err
+    assert "error: argument --model: model 'no-such-model' is neither" in capsys.readouterr().err
 
 
 def test_generate_command_rejects_bad_sampling_flags(capsys):

@@ -16,7 +16,12 @@ from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.block_table import BlockTable
 from nanoserve.engine.input_packer import prepare_decode
 from nanoserve.engine.kv_manager import KVCacheManager
-from nanoserve.kernels.backend import AttentionBackend, select_attention_backend
+from nanoserve.kernels.backend import (
+    AttentionBackend,
+    check_block_size,
+    is_importable,
+    select_attention_backend,
+)
 from nanoserve.learner_api import has_learner_api, learner_api
 from nanoserve.recipes.assemble import recipe_for
 from nanoserve.recipes.recipe import Recipe
@@ -332,3 +337,19 @@ def test_a_block_table_that_replaces_its_list_on_growth_never_leaves_a_stale_one
         tokens(tiny_llm(folder, 4, block_size=4, components={"BlockManager": manager}), requests)
         == expected
     )
+
+
+def test_flash_attn_needs_a_block_size_of_256s_and_says_why():
+    with pytest.raises(ValueError, match=r"flash_attn.*multiple of 256; got 16: pass block_size"):
+        check_block_size("flash_attn", 16)
+    check_block_size("flash_attn", 512)
+    check_block_size("triton", 16)  # only flash-attn's paged KV is picky
+
+
+def test_flash_attn_is_offered_from_stage_07_and_needs_its_package(tiny_checkpoints):
+    folder, _ = tiny_checkpoints["llama"]
+    assert "flash_attn" in recipe_for(7).backends and "flash_attn" not in recipe_for(6).backends
+    if is_importable("flash_attn"):
+        pytest.skip("flash_attn is installed here: the missing-package error cannot happen")
+    with pytest.raises(ValueError, match=r"'flash_attn' needs the flash-attn package"):
+        tiny_llm(folder, 7, attention_backend="flash_attn", block_size=256)

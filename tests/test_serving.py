@@ -391,7 +391,7 @@ def test_an_api_key_guards_every_route_but_health_and_the_server_stops_cleanly(f
 # ---- the serving benchmark, tiny ----
 
 
-def test_bench_serve_times_the_workload_offline_and_over_http(folder, capsys):
+def test_bench_serve_times_the_workload_offline_and_over_http(folder, capsys, tmp_path):
     from nanoserve.cli import main
 
     args = [
@@ -421,6 +421,8 @@ def test_bench_serve_times_the_workload_offline_and_over_http(folder, capsys):
         "3",
         "--client-processes",
         "2",
+        "--json",
+        str(tmp_path / "bench.json"),
     ]
     assert main(args) == 0
     out = capsys.readouterr().out
@@ -432,6 +434,9 @@ def test_bench_serve_times_the_workload_offline_and_over_http(folder, capsys):
     assert re.search(r"^time to first token   p50 [\d.]+  p90 [\d.]+  p99 [\d.]+ ms$", out, re.M)
     assert re.search(r"^inter-token latency   p50 [\d.]+", out, re.M)
     assert re.search(r"^serving overhead      not measured: the arrivals \(100/s\)", out, re.M)
+    text = (tmp_path / "bench.json").read_text()
+    report = json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
+    assert len(report["requests"]) == 6 and report["latency_ms"]["ttft"]["p50"] > 0
 
 
 @pytest.mark.parametrize(

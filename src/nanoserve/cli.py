@@ -9,62 +9,90 @@ what was expected.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 
+from nanoserve import __version__
 from nanoserve.bench.run import add_bench_parser
-from nanoserve.options import add_engine_args, engine_options
+from nanoserve.models.registry import DEFAULT_MODEL
+from nanoserve.options import (
+    add_engine_source_args,
+    apply_threads,
+    check_engine_flags,
+    engine_options,
+)
 
 DEFAULT_QUESTION = "What is the capital of France? Answer in one sentence."
-
-
-def add_engine_source_args(parser: argparse.ArgumentParser) -> None:
-    """The model, the stage, the device, the dtype and the engine options."""
-    parser.add_argument("--model", default="smollm2", help="known name, GGUF file or HF folder")
-    parser.add_argument("--stage", type=int, default=None, help="engine as of stage N")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
-    parser.add_argument("--dtype", default=None, help="float32, bfloat16, float16 or float64")
-    add_engine_args(parser)
+EXIT_SIGINT, EXIT_SIGPIPE = 130, 141  # 128 + the signal's number, as a shell reports them
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     """Options shared by the subcommands that generate: the engine's, and sampling."""
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=128, help="(default: %(default)s)")
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="0 means greedy (default: %(default)s)"
+    )
+    parser.add_argument("--top-p", type=float, default=1.0, help="(default: %(default)s)")
+    parser.add_argument("--top-k", type=int, default=None, help="(default: all tokens)")
+    parser.add_argument("--seed", type=int, default=None, help="(default: none)")
     add_engine_source_args(parser)
+
+
+class ModelArgument(argparse.Action):
+    """`serve MODEL`, vLLM's form, or `serve --model MODEL`: one model, named at most once."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        if value is None:  # MODEL left out: --model or the default stands
+            return
+        named = getattr(namespace, "model_named", None)
+        if named is not None and named != value:
+            parser.error(f"two models named, {named!r} and {value!r}: give MODEL or --model")
+        namespace.model = namespace.model_named = value
 
 
 def add_serve_parser(subparsers) -> None:
     """`serve`: where to listen, who may ask, and the engine (sampling is per request)."""
     serve = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    add_engine_source_args(serve, model_action=ModelArgument)
+    serve.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        action=ModelArgument,
+        metavar="MODEL",
+        help=f"the model, as --model takes it (default: {DEFAULT_MODEL})",
+    )
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
     serve.add_argument(
         "--api-key",
         default=None,
-        help="require `Authorization: Bearer KEY` on every route but /health",
+        help="require `Authorization: Bearer KEY` on every route but /health (default: none)",
     )
     serve.add_argument(
         "--served-model-name",
         default=None,
-        help="the name clients pass as `model` (default: --model)",
+        help="the name clients pass as `model` (default: MODEL)",
     )
-    serve.add_argument("--max-body-bytes", type=int, default=2**20, help="413 above this")
-    serve.add_argument("--log-level", default="info", help="uvicorn's: warning, info, debug")
+    serve.add_argument(
+        "--max-body-bytes", type=int, default=2**20, help="413 above this (default: %(default)s)"
+    )
+    serve.add_argument(
+        "--log-level", default="info", help="uvicorn's: warning, info, debug (default: %(default)s)"
+    )
     serve.add_argument(
         "--engine-in-process",
         action="store_true",
         help="run the engine loop as a thread of the server process, as stage 10 builds it "
         "(default: a process of its own, so HTTP work never waits on its GIL)",
     )
-    add_engine_source_args(serve)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="nanoserve", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"nanoserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete prompts (chat template applied)")
     gen.add_argument("prompts", nargs="*", default=[DEFAULT_QUESTION])
@@ -95,10 +123,18 @@ def sampling_params(args):
     )
 
 
+def check_flags(args) -> None:
+    """The engine flags of generate, chat and serve, checked as bench checks them."""
+    from nanoserve.stages import latest_stage
+
+    check_engine_flags(args, [latest_stage().number if args.stage is None else args.stage])
+
+
 def make_llm(args):
-    """An LLM for the chosen model, stage, device and dtype."""
+    """An LLM for the chosen model, stage, device and dtype, its flags checked first."""
     from nanoserve.llm import LLM
 
+    check_flags(args)
     return LLM(
         args.model, stage=args.stage, device=args.device, dtype=args.dtype, **engine_options(args)
     )
@@ -139,12 +175,20 @@ def cmd_chat(args) -> int:
             continue
         history.append({"role": "user", "content": line})
         print("bot> ", end="", flush=True)
-        reply = ""
+        history.append({"role": "assistant", "content": chat_reply(llm, history, params)})
+
+
+def chat_reply(llm, history: list[dict], params) -> str:
+    """Stream the reply to the conversation; Ctrl-C cuts it short and keeps what came."""
+    reply = ""
+    try:
         for piece in llm.stream(llm.apply_chat_template(history), params):
             print(piece, end="", flush=True)
             reply += piece
-        print()
-        history.append({"role": "assistant", "content": reply})
+    except KeyboardInterrupt:  # the stream's generator aborted the request as it closed
+        print(" [interrupted]", end="")
+    print()
+    return reply
 
 
 def cmd_stages(args) -> int:
@@ -172,6 +216,7 @@ def cmd_serve(args) -> int:
             "pip install 'nanoserve[serve]'"
         ) from None
     name = args.served_model_name or args.model
+    check_flags(args)  # before the engine process starts
     if args.engine_in_process:
         llm = make_llm(args)
         app = create_app(llm, name, args.api_key, args.max_body_bytes)
@@ -213,14 +258,36 @@ COMMANDS = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `nanoserve` console script."""
-    args = build_parser().parse_args(argv)
+def run_command(args) -> int:
+    """Run the parsed command; a bad argument is one line on stderr and status 2."""
     try:
-        return COMMANDS[args.command](args)
+        if "threads" in vars(args):  # the commands that run an engine
+            apply_threads(args)
+        status = COMMANDS[args.command](args)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handlers, not at exit
+        return status
     except (ValueError, FileNotFoundError) as err:
         print(f"nanoserve {args.command}: error: {err}", file=sys.stderr)
         return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `nanoserve` console script: Ctrl-C and a closed pipe end it quietly,
+    with the status a shell gives a process those signals ended (130 and 141)."""
+    try:
+        return run_command(build_parser().parse_args(argv))
+    except KeyboardInterrupt:
+        print(file=sys.stderr)  # after the terminal's ^C, so the shell prompt starts a line
+        return EXIT_SIGINT
+    except BrokenPipeError:
+        silence_stdout()
+        return EXIT_SIGPIPE
+
+
+def silence_stdout() -> None:
+    """Point stdout at /dev/null, so the flush at exit cannot raise BrokenPipeError again."""
+    with contextlib.suppress(OSError, ValueError):  # no file (a test's capture): no flush
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 if __name__ == "__main__":

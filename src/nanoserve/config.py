@@ -31,6 +31,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # stage 04+: "auto" picks per device; the engine's backend
     # selector checks the name (it lives above config), so here it need only be a non-empty str
     tensor_parallel_size: int = 1  # stage 09: processes (ranks) that each hold a slice of the model
+    enable_prefix_caching: bool | None = None  # stage 07+: share cached prefix blocks, as vLLM's
+    # option does. None: the stage's own choice (on from 07). No recipe reads it: `LLM` turns
+    # False into stage 04's BlockManager in place of the stage's PrefixBlockManager (llm.py)
 
     def __post_init__(self):
         for name in (
@@ -59,6 +62,13 @@ class EngineConfig:
         )
         for name in ("enable_chunked_prefill", "enforce_eager"):
             _require(isinstance(getattr(self, name), bool), name, getattr(self, name), "a bool")
+        prefix = self.enable_prefix_caching
+        _require(
+            prefix is None or isinstance(prefix, bool),
+            "enable_prefix_caching",
+            prefix,
+            "None (the stage's choice) or a bool",
+        )
         _require(
             self.enable_chunked_prefill or self.max_num_batched_tokens >= self.max_model_len,
             "max_num_batched_tokens",
@@ -118,6 +128,18 @@ def is_real(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
+class InvalidOption(ValueError):
+    """An engine option with a bad value: which field, the value, and what it expected.
+
+    Typed so that the command line can name the flag (`--max-num-seqs`) where Python names the
+    field (`EngineConfig.max_num_seqs`), from one check.
+    """
+
+    def __init__(self, name: str, value, expected: str):
+        super().__init__(f"EngineConfig.{name} = {value!r} is invalid; expected {expected}")
+        self.name, self.value, self.expected = name, value, expected
+
+
 def _require(ok: bool, name: str, value, allowed: str) -> None:
     if not ok:
-        raise ValueError(f"EngineConfig.{name} = {value!r} is invalid; expected {allowed}")
+        raise InvalidOption(name, value, allowed)

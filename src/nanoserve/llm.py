@@ -15,21 +15,25 @@ import torch
 from tqdm import tqdm
 
 from nanoserve.config import engine_config_for
+from nanoserve.engine.block_manager import BlockManager
 from nanoserve.models.loader import load_model_config, load_tokenizer, model_source
 from nanoserve.models.registry import DEFAULT_MODEL
 from nanoserve.parallel.group import start_engine
-from nanoserve.recipes.assemble import build_engine
+from nanoserve.recipes.assemble import build_engine, recipe_for
 from nanoserve.sampling import SamplingParams
-from nanoserve.stages import latest_stage, require_implemented
+from nanoserve.stages import implemented_stages, latest_stage, require_implemented
 from nanoserve.types import ModelSpec
 from nanoserve.types import Sequence as Seq
 
 DTYPES = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
+    "half": torch.float16,  # vLLM's and torch's other names: half and float
     "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float": torch.float32,
+    "float32": torch.float32,
+    "float64": torch.float64,
 }
+DTYPE_NAMES = ("auto", *DTYPES)  # auto: the device's default, as dtype=None
 
 
 @dataclass
@@ -57,14 +61,43 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """bfloat16 on cuda and float32 on cpu, unless one is named."""
-    if dtype is None:
+    """bfloat16 on cuda and float32 on cpu, unless one is named ("auto" names none)."""
+    if dtype is None or dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
         return dtype
     if dtype in DTYPES:
         return DTYPES[dtype]
-    raise ValueError(f"dtype {dtype!r} is not supported; expected one of {sorted(DTYPES)}")
+    raise ValueError(f"dtype {dtype!r} is not supported; expected one of {', '.join(DTYPE_NAMES)}")
+
+
+PREFIX_PART = "PrefixBlockManager"  # the part a recipe with a prefix cache builds its manager from
+
+
+def prefix_caching_components(stage: int, enable: bool | None, components: dict | None):
+    """The components that give `stage` the prefix caching asked for (None: the stage's own).
+
+    False, from stage 07 on, puts stage 04's BlockManager where the PrefixBlockManager goes: the
+    same pool and kernels, no sharing. True before stage 07 is a ValueError: there is no prefix
+    cache to turn on.
+    """
+    has_cache = PREFIX_PART in recipe_for(stage).parts
+    if enable and not has_cache:
+        first = next(
+            s.number for s in implemented_stages() if PREFIX_PART in recipe_for(s.number).parts
+        )
+        raise ValueError(
+            f"enable_prefix_caching=True needs stage {first} or later (the prefix cache); stage "
+            f"{stage}'s engine has none: pick a later stage or leave enable_prefix_caching unset"
+        )
+    if enable is not False or not has_cache:
+        return components
+    if PREFIX_PART in (components or {}):
+        raise ValueError(
+            f"enable_prefix_caching=False builds no {PREFIX_PART}, so yours would go unused: "
+            "leave enable_prefix_caching unset to run it"
+        )
+    return {**(components or {}), PREFIX_PART: BlockManager}
 
 
 def checked_ids(prompt, index: int) -> list[int]:
@@ -75,6 +108,33 @@ def checked_ids(prompt, index: int) -> list[int]:
                 f"prompts[{index}][{position}] is {token_id!r}; token ids must be ints"
             )
     return [int(t) for t in prompt]
+
+
+def checked_conversations(messages) -> list[list[dict]]:
+    """`chat`'s messages as a list of conversations; ValueError naming the part that is wrong."""
+    expected = 'expected a list of {"role": ..., "content": ...} dicts, or a list of such lists'
+    if not isinstance(messages, list):
+        raise ValueError(f"messages is {article(messages)}; {expected}")
+    if not messages:
+        raise ValueError(f"messages is empty; {expected}")
+    one = isinstance(messages[0], dict)
+    conversations = [messages] if one else messages
+    for i, conversation in enumerate(conversations):
+        where = "messages" if one else f"messages[{i}]"
+        if not isinstance(conversation, list):
+            raise ValueError(f"{where} is {article(conversation)}; {expected}")
+        if not conversation:
+            raise ValueError(f"{where} is empty; {expected}")
+        for j, message in enumerate(conversation):
+            if not isinstance(message, dict):
+                raise ValueError(f"{where}[{j}] is {article(message)}; expected a dict")
+    return conversations
+
+
+def article(value) -> str:
+    """ "a str", "an int", "a NoneType": what a value is, for an error message."""
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
 
 
 def chat_prompt(tokenizer, conversation: list[dict]) -> str:
@@ -107,6 +167,9 @@ class LLM:
         self.tokenizer = load_tokenizer(source)
         self.config = engine_config_for(self.model_config, **engine_options)
         spec = ModelSpec(source, self.dtype, self.device)
+        components = prefix_caching_components(
+            self.stage.number, self.config.enable_prefix_caching, components
+        )
         build = build_engine if self.config.tensor_parallel_size == 1 else start_engine
         self.engine = build(self.stage.number, self.config, spec, self.eos_ids(), components)
 
@@ -154,7 +217,7 @@ class LLM:
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Reply to one conversation (a list of {"role", "content"}) or a list of them."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = checked_conversations(messages)
         prompts = [self.apply_chat_template(c) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
+import math
 import os
 
 from nanoserve.bench import serve
+from nanoserve.bench.report import bench_report, write_json
 from nanoserve.bench.workload import (
     WARMUP_MAX_TOKENS,
     WARMUP_PROMPT_LEN,
@@ -23,94 +24,81 @@ from nanoserve.bench.workload import (
     timer,
     with_shared_prefix,
 )
-from nanoserve.config import EngineConfig, engine_config_for
-from nanoserve.options import add_engine_args, engine_options, positive_int
+from nanoserve.config import EngineConfig
+from nanoserve.options import (
+    CheckedFlags,
+    add_engine_source_args,
+    check_engine_flags,
+    positive_int,
+    refusing_as,
+)
 from nanoserve.stages import latest_stage, require_implemented
 from nanoserve.types import ModelSpec
-
-
-def stage_list(text: str) -> list[int]:
-    """argparse type: one stage number or a comma list (`4`, `1,4`)."""
-    return [int(part) for part in text.split(",")]  # argparse reports a ValueError
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     """Add the `bench` subcommand and its options to the CLI's subparsers."""
     p = subparsers.add_parser("bench", help="throughput on nano-vLLM's workload")
-    p.add_argument("--num-seqs", type=positive_int, default=256)
-    p.add_argument("--max-input-len", type=positive_int, default=1024)
-    p.add_argument("--max-output-len", type=positive_int, default=1024)
+    p.add_argument("--num-seqs", type=positive_int, default=256, help="(default: %(default)s)")
+    p.add_argument(
+        "--max-input-len", type=positive_int, default=1024, help="(default: %(default)s)"
+    )
+    p.add_argument(
+        "--max-output-len", type=positive_int, default=1024, help="(default: %(default)s)"
+    )
     p.add_argument(
         "--first",
         type=positive_int,
         default=None,
         metavar="N",
-        help="time only the first N requests of the --num-seqs workload",
+        help="time only the first N requests of the --num-seqs workload (default: all)",
     )
     p.add_argument(
         "--shared-prefix",
         type=positive_int,
         default=None,
         metavar="N",
-        help="every prompt starts with the same N tokens (prefix caching, stage 07)",
+        help="every prompt starts with the same N tokens (prefix caching, stage 07; default: none)",
     )
-    p.add_argument("--model", default="smollm2", help="known name, file, folder, or preset")
-    p.add_argument("--stage", type=stage_list, action="append", help="N, N,M, or repeated")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"])
     p.add_argument("--compare", choices=["hf"], default=None, help="also time transformers")
-    p.add_argument("--hf-batch-size", type=positive_int, default=None, help="CPU: default all")
+    p.add_argument(
+        "--hf-batch-size", type=positive_int, default=None, help="CPU (default: all requests)"
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
     serve.add_serve_bench_args(p)
-    add_engine_args(p)
+    add_engine_source_args(p, many_stages=True)
     return p
 
 
 def checked_stages(args) -> list[int]:
     """The stage numbers asked for, each implemented; ValueError naming --stage otherwise."""
     numbers = [n for group in args.stage or [[latest_stage().number]] for n in group]
-    for n in numbers:
-        try:
+    with refusing_as("--stage"):
+        for n in numbers:
             require_implemented(n)
-        except ValueError as err:
-            raise ValueError(f"--stage: {err}") from None
     return list(dict.fromkeys(numbers))  # drop repeats, keep order
 
 
-def load_bench_model(args):
-    """(spec, model): the --model on the --device in the --dtype (defaults as `LLM` picks them).
+def load_bench_model(flags: CheckedFlags):
+    """(spec, model): the checked --model on the --device in the --dtype.
 
     Loaded once and reused by every stage's engine, so each runs on the very same weights.
     """
-    from nanoserve.llm import resolve_device, resolve_dtype
-    from nanoserve.models.loader import load_model, model_source
+    from nanoserve.models.loader import load_model
 
-    try:
-        device = resolve_device(args.device)
-    except ValueError as err:
-        raise ValueError(f"--device: {err}") from None
-    try:  # a preset name builds random weights (models/presets.py)
-        spec = ModelSpec(model_source(args.model), resolve_dtype(args.dtype, device), device)
-        return spec, load_model(spec.source, spec.device, spec.dtype)
-    except ValueError as err:
-        raise ValueError(f"--model: {err}") from None
+    spec = ModelSpec(flags.source, flags.dtype, flags.device)
+    return spec, load_model(spec.source, spec.device, spec.dtype)
 
 
-def engine_config(args, model_config, workload: Workload) -> EngineConfig:
-    """EngineConfig from the options, with `LLM`'s defaults; every request must fit."""
-    try:
-        config = engine_config_for(model_config, **engine_options(args))
-    except ValueError as err:
-        field = str(err).split()[0].removeprefix("EngineConfig.")
-        raise ValueError(f"--{field.replace('_', '-')}: {err}") from None
+def check_fits(config: EngineConfig, workload: Workload) -> None:
+    """ValueError naming --max-model-len unless every request of the workload fits it."""
     longest = max(len(p) + m for p, m in zip(*workload))
     if longest > config.max_model_len:
         raise ValueError(
-            f"--max-model-len: the longest request needs {longest} tokens "
+            f"argument --max-model-len: the longest request needs {longest} tokens "
             f"(prompt + max_tokens), more than max_model_len {config.max_model_len}; "
             "lower --max-input-len or --max-output-len"
         )
-    return config
 
 
 def drive(engine, prompts: list[list[int]], params: list) -> list:
@@ -124,17 +112,19 @@ def drive(engine, prompts: list[list[int]], params: list) -> list:
 def run_nanoserve(spec, model, stage: int, config: EngineConfig, workload: Workload) -> BenchResult:
     """Build the stage's engine on `model`, warm it up, and time the whole workload."""
     from nanoserve.layers.compiled import unfuse_small_ops
+    from nanoserve.llm import prefix_caching_components
     from nanoserve.parallel.group import start_engine
     from nanoserve.recipes.assemble import build_engine, recipe_for
     from nanoserve.sampling import SamplingParams
 
     device = spec.device
     shards = recipe_for(stage).shards_model and config.tensor_parallel_size > 1
+    parts = prefix_caching_components(stage, config.enable_prefix_caching, None)
     if shards:  # rank 0 and each worker build their own shard; the shared model sits idle
-        engine = start_engine(stage, config, spec, model.config.eos_token_ids)
+        engine = start_engine(stage, config, spec, model.config.eos_token_ids, parts)
     else:  # a stage before 09 runs on one rank, beside the sharded one in the same table
         config = dataclasses.replace(config, tensor_parallel_size=1)
-        engine = build_engine(stage, config, spec, model.config.eos_token_ids, model=model)
+        engine = build_engine(stage, config, spec, model.config.eos_token_ids, parts, model)
     params = [
         SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m)
         for m in [WARMUP_MAX_TOKENS, *workload.max_tokens]
@@ -186,27 +176,13 @@ def format_table(results: list[BenchResult]) -> list[str]:
     for r in results:
         preempt = "-" if r.preemptions is None else str(r.preemptions)
         prefill = "-" if r.prefill_tokens is None else f"{r.prefill_tokens:,}"
-        ratio = r.tokens_per_s / results[0].tokens_per_s
+        ratio = r.tokens_per_s / results[0].tokens_per_s if results[0].tokens_per_s else math.nan
         lines.append(
             f"{r.engine:<34} {r.output_tokens:>10,} {r.seconds:>9.2f} "
             f"{r.tokens_per_s:>9.1f} {preempt:>8} {prefill:>11} "
             f"{ratio:>8.2f}x"
         )
     return lines + [f"note: {r.note}" for r in results if r.note]
-
-
-def write_json(path: str, header: list[str], args, stages: list[int], results: list) -> None:
-    """The run as JSON: header lines, options (stages flattened), and one record per engine."""
-    records = [
-        dict(
-            r._asdict(), tokens_per_s=r.tokens_per_s, ratio=r.tokens_per_s / results[0].tokens_per_s
-        )
-        for r in results
-    ]
-    options = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
-    options["stage"] = stages
-    with open(path, "w") as f:
-        json.dump({"header": header, "options": options, "results": records}, f, indent=2)
 
 
 def bench_workload(args, vocab_size: int | None) -> Workload:
@@ -225,9 +201,11 @@ def run_bench(args) -> int:
     stages = checked_stages(args)
     if args.serve or args.url:
         return run_serve_bench(args, stages)
-    spec, model = load_bench_model(args)
-    workload = bench_workload(args, model.config.vocab_size)
-    config = engine_config(args, model.config, workload)
+    flags = check_engine_flags(args, stages)
+    workload = bench_workload(args, flags.model_config.vocab_size)
+    check_fits(flags.config, workload)
+    config = flags.config
+    spec, model = load_bench_model(flags)
     header = describe(args, model, config, workload)
     print("\n".join(header), flush=True)
     results = [run_nanoserve(spec, model, stage, config, workload) for stage in stages]
@@ -237,29 +215,32 @@ def run_bench(args) -> int:
         results.append(run_transformers(args.model, model, workload, args.hf_batch_size))
     print("\n".join(format_table(results)))
     if args.json:
-        write_json(args.json, header, args, stages, results)
+        write_json(args.json, bench_report(args, header, stages, results, spec.device))
     return 0
 
 
 def run_serve_bench(args, stages: list[int]) -> int:
     """Offline, then over HTTP, on the same requests (stage 10); --url: over HTTP only."""
     if len(stages) != 1:
-        raise ValueError("--stage: --serve benchmarks one stage's engine at a time")
-    results, header = [], []
+        raise ValueError("argument --stage: --serve benchmarks one stage's engine at a time")
+    results, header, device = [], [], None
     if args.url:
         workload = bench_workload(args, None)  # the server rejects ids outside its vocabulary
         url = args.url.rstrip("/")
         timings, seconds = serve.drive(url, workload, args)
     else:
-        spec, model = load_bench_model(args)
-        workload = bench_workload(args, model.config.vocab_size)
-        config = engine_config(args, model.config, workload)
+        flags = check_engine_flags(args, stages)
+        workload = bench_workload(args, flags.model_config.vocab_size)
+        check_fits(flags.config, workload)
+        config = flags.config
+        spec, model = load_bench_model(flags)
         header = describe(args, model, config, workload)
         print("\n".join(header), flush=True)
         results.append(run_nanoserve(spec, model, stages[0], config, workload))
         dtype = str(model.dtype).removeprefix("torch.")
         del model  # the server loads its own; free this copy's memory first
         release_memory(spec.device)
+        device = spec.device
         port = serve.free_port()
         command = serve.serve_command(args, stages[0], spec.device.type, dtype, port)
         with serve.ServerProcess(command, port) as url:
@@ -271,5 +252,6 @@ def run_serve_bench(args, stages: list[int]) -> int:
         lines.append(serve.overhead_line(offline, served, args.request_rate))
     print("\n".join(lines))
     if args.json:
-        write_json(args.json, header + lines[len(results) + 1 :], args, stages, results)
+        header += lines[len(results) + 1 :]
+        write_json(args.json, bench_report(args, header, stages, results, device, timings))
     return 0

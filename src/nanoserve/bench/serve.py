@@ -23,7 +23,7 @@ import time
 from nanoserve.bench import clients
 from nanoserve.bench.clients import SERVED_NAME, Timing
 from nanoserve.bench.workload import BenchResult, Workload
-from nanoserve.options import engine_options, positive_float, positive_int
+from nanoserve.options import engine_flags, positive_float, positive_int
 
 STARTUP_TIMEOUT = 900  # seconds for the server to load, size its pool and capture its graphs
 
@@ -117,9 +117,7 @@ def serve_command(args, stage: int, device: str, dtype: str, port: int) -> list[
         "--log-level",
         "warning",
     ]
-    for name, value in engine_options(args).items():
-        command += [f"--{name.replace('_', '-')}", str(value)]
-    return command
+    return command + engine_flags(args)
 
 
 class ServerProcess:

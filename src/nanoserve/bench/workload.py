@@ -8,6 +8,7 @@ helpers so that building the CLI's parser stays quick.
 from __future__ import annotations
 
 import gc
+import math
 import random
 import time
 from typing import NamedTuple
@@ -44,8 +45,8 @@ class BenchResult(NamedTuple):
 
     @property
     def tokens_per_s(self) -> float:
-        """Output tokens per second of wall-clock time."""
-        return self.output_tokens / self.seconds
+        """Output tokens per second of wall-clock time (inf for a run timed at 0 s)."""
+        return self.output_tokens / self.seconds if self.seconds > 0 else math.inf
 
 
 def make_workload(num_seqs=256, max_input_len=1024, max_output_len=1024, seed=0) -> Workload:

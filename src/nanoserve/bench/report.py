@@ -1,0 +1,143 @@
+"""`nanoserve bench --json`: one run as strict JSON that any parser loads, for plots and tables.
+
+Introduced in stage 04 (records per engine); stage 10 added the served run's latencies, as
+numbers in milliseconds (TTFT, TPOT, ITL and end-to-end: mean, p50, p90, p99), and a record per
+request. Every number is finite: an unbounded option (`--request-rate inf`) is written as
+null, so `JSON.parse` and `json.loads(..., parse_constant=...)` that refuse NaN and Infinity
+both read it. It measures nothing itself.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import subprocess
+from pathlib import Path
+
+from nanoserve.bench.clients import Timing
+from nanoserve.bench.workload import BenchResult
+
+PERCENTILES = (50, 90, 99)
+
+
+def finite(value):
+    """The value with every non-finite float (inf, nan) in it replaced by None, at any depth."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
+def summary_ms(seconds: list[float]) -> dict[str, float] | None:
+    """mean, p50, p90 and p99 of durations in seconds, in milliseconds (None for no values)."""
+    import numpy as np
+
+    if not seconds:
+        return None
+    ms = np.asarray(seconds) * 1000
+    points = np.percentile(ms, PERCENTILES)
+    return {"mean": float(ms.mean()), **{f"p{p}": float(v) for p, v in zip(PERCENTILES, points)}}
+
+
+def request_record(timing: Timing, start: float) -> dict:
+    """One served request: when it was sent, its tokens, TTFT, TPOT and end-to-end, in ms.
+
+    TPOT is vLLM's: (end-to-end - TTFT) / (tokens - 1), None for a request of one token.
+    """
+    ttft = timing.token_times[0] - timing.sent if timing.token_times else None
+    e2e = timing.done - timing.sent
+    tpot = None
+    if ttft is not None and timing.num_tokens > 1:
+        tpot = (e2e - ttft) / (timing.num_tokens - 1)
+    return {
+        "sent_ms": (timing.sent - start) * 1000,
+        "output_tokens": timing.num_tokens,
+        "ttft_ms": None if ttft is None else ttft * 1000,
+        "tpot_ms": None if tpot is None else tpot * 1000,
+        "e2e_ms": e2e * 1000,
+    }
+
+
+def latency_report(timings: list[Timing]) -> dict:
+    """The served run's latencies: summaries (ms) and one record per request."""
+    start = min(t.sent for t in timings)
+    records = [request_record(t, start) for t in timings]
+
+    def values(key: str) -> list[float]:
+        return [r[key] / 1000 for r in records if r[key] is not None]
+
+    itl = [gap for t in timings for gap in t.inter_token_gaps()]
+    return {
+        "latency_ms": {
+            "ttft": summary_ms(values("ttft_ms")),
+            "tpot": summary_ms(values("tpot_ms")),
+            "itl": summary_ms(itl),
+            "e2e": summary_ms(values("e2e_ms")),
+        },
+        "requests": records,
+    }
+
+
+def result_record(result: BenchResult, first: BenchResult) -> dict:
+    """One engine's row: its counts, seconds, tokens/s and throughput relative to the first."""
+    ratio = result.tokens_per_s / first.tokens_per_s if first.tokens_per_s else None
+    return dict(result._asdict(), tokens_per_s=result.tokens_per_s, ratio=ratio)
+
+
+def git_commit() -> str | None:
+    """The commit of the source tree nanoserve runs from, if it is a git checkout."""
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (done.stdout.strip() or None) if done.returncode == 0 else None
+
+
+def device_record(device) -> dict | None:
+    """What the engine ran on: cuda and the card's name, or cpu with its CPUs and threads."""
+    import os
+
+    import torch
+
+    if device is None:  # --url: the server's machine is not ours to see
+        return None
+    if device.type == "cuda":
+        return {"type": "cuda", "name": torch.cuda.get_device_name(device)}
+    return {"type": "cpu", "num_cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+
+
+def write_json(path: str, report: dict) -> None:
+    """The report as strict JSON (allow_nan=False: a stray inf fails here, not in a reader)."""
+    with open(path, "w") as f:
+        json.dump(finite(report), f, indent=2, allow_nan=False)
+
+
+def bench_report(args, header, stages, results, device, timings=None) -> dict:
+    """The whole run: provenance, the header lines, the options, one record per engine and,
+    for a served run, the latencies and the requests."""
+    from nanoserve import __version__
+
+    options = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
+    options["stage"] = stages
+    report = {
+        "version": __version__,
+        "commit": git_commit(),
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": device_record(device),
+        "header": header,
+        "options": options,
+        "results": [result_record(r, results[0]) for r in results],
+    }
+    if timings:
+        report.update(latency_report(timings))
+    return report
