@@ -58,6 +58,24 @@ def pytest_configure(config):
     impl = grading.normalize_impl(chosen, base=config.invocation_params.dir)
     os.environ[grading.IMPL_ENV_VAR] = impl  # workers and child processes inherit it
     config.stash[_IMPL_KEY] = impl
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller has already checked
+        refuse_an_impl_that_cannot_load(impl, config.args, config.invocation_params.dir)
+
+
+def refuse_an_impl_that_cannot_load(impl: str, args: list[str], base: Path) -> None:
+    """Stop before any test runs, with one line, when --impl cannot be imported or (for the stage
+    folders named on the command line) lacks part of a stage's API: otherwise every test of the
+    stage would fail with the same traceback."""
+    if impl == "ref":
+        return
+    try:
+        stages = grading.stages_named_by(args, base)
+        for stage in stages:
+            grading.load_impl(stage.number, impl)
+        if not stages and impl != "starter":
+            grading.import_impl(impl)
+    except grading.ImplementationError as err:
+        raise pytest.UsageError(str(err)) from None
 
 
 def pytest_report_header(config):
@@ -86,8 +104,11 @@ def impl(request):
         try:
             _LOADED[key] = grading.load_impl(stage.number, chosen)
         except grading.ImplementationError as err:
-            pytest.fail(str(err), pytrace=False)
-    return _LOADED[key]
+            _LOADED[key] = err  # the same one line for every test of the stage, loaded once
+    loaded = _LOADED[key]
+    if isinstance(loaded, grading.ImplementationError):
+        pytest.fail(str(loaded), pytrace=False)  # outside `except`: no chained traceback
+    return loaded
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,8 @@
 # checks at the end of each section) are drawn from your code. The docs site shows this notebook
 # as the reference draws it, run when the site was built; to draw yours, open
 # `notebooks/03_block_table.py` in Jupyter (jupytext opens it as a notebook) and set `IMPL`.
+# `pip install -e '.[notebooks]'` installs JupyterLab, jupytext and matplotlib; then
+# `jupyter lab notebooks/` and, on the file, *Open With -> Jupytext Notebook*.
 
 # %% tags=["hide-input"]
 # nanoserve imports tqdm, which warns at import in a kernel without ipywidgets: only noise here.

@@ -28,7 +28,8 @@
 # Nothing is scripted or guessed: if you plug in your own pieces (next cell), it draws your code.
 # The docs site shows this notebook as the reference engine draws it, run when the site was
 # built; to draw yours, open `notebooks/04_paged_pool.py` in Jupyter (jupytext opens it as a
-# notebook) and set `IMPL`.
+# notebook) and set `IMPL`. `pip install -e '.[notebooks]'` installs JupyterLab, jupytext and
+# matplotlib; then `jupyter lab notebooks/` and, on the file, *Open With -> Jupytext Notebook*.
 
 # %% tags=["hide-input"]
 # Progress bars (saving the tiny checkpoint draws one) are only noise on a rendered page, and

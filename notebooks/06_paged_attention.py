@@ -119,8 +119,8 @@ for name, n, table in zip(step.names, step.context_lens, step.block_tables):
 # ## The decode grid, and what each program reads
 #
 # The kernel picks `partition_size` from static shapes only (`decode_partition_size`: split only
-# when `B * H_kv` programs cannot fill the GPU, partitions of at least 64 positions), so on this
-# tiny batch it would not split at all. To see split-K, we draw the grid with partitions of 16
+# when `B * H_kv` programs cannot fill the GPU, and then into partitions of no fewer than 256
+# positions), so on this tiny batch it would not split at all. To see split-K, we draw the grid with partitions of 16
 # positions (4 blocks). Program `(b, g, p)` reads positions `p * 16 .. min((p + 1) * 16,
 # context_lens[b]) - 1`, and position `n` lives in block `block_tables[b][n // block_size]`. The
 # number of partitions is static too, `cdiv(table width * block_size, 16)`: a program whose

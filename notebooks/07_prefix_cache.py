@@ -30,7 +30,8 @@
 # drawing against the seed's trace and the tokens against stage 06, which shares nothing.
 #
 # To draw your own manager, open `notebooks/07_prefix_cache.py` in Jupyter (jupytext opens it as
-# a notebook) and set `IMPL`.
+# a notebook) and set `IMPL`. `pip install -e '.[notebooks]'` installs JupyterLab, jupytext and
+# matplotlib; then `jupyter lab notebooks/` and, on the file, *Open With -> Jupytext Notebook*.
 
 # %% tags=["hide-input"]
 # Progress bars (saving the tiny checkpoint draws one) are only noise on a rendered page, and

@@ -13,7 +13,7 @@ from .conftest import needs_smollm2
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_manifest_lists_all_ten_stages_in_order():
+def test_manifest_lists_all_eleven_stages_in_order():
     assert [s.number for s in STAGES] == list(range(11))
     assert [s.stem[:2] for s in STAGES] == [f"{n:02d}" for n in range(11)]
 

@@ -153,3 +153,21 @@ def test_stage8_with_enforce_eager_captures_nothing(tiny_checkpoints):
     folder, _ = tiny_checkpoints["qwen3"]
     llm = LLM(str(folder), stage=8, device="cuda", num_kv_blocks=64, enforce_eager=True)
     assert llm.engine.runner.graphs is None
+
+
+@pytest.mark.parametrize("stage", [7, 8])
+def test_qwen3_shape_bf16_flash_attn_matches_triton_on_cuda_up_to_top5(prompts, stage):
+    pytest.importorskip("flash_attn", reason="flash-attn is not installed (it is optional)")
+    options = dict(dtype="bfloat16", max_num_seqs=16, max_model_len=1024, block_size=256)
+    ref = LLM("qwen3-0.6b", stage=stage, attention_backend="triton", num_kv_blocks=64, **options)
+    got = LLM(
+        "qwen3-0.6b", stage=stage, attention_backend="flash_attn", num_kv_blocks=64, **options
+    )
+    assert got.engine.attention.name == "flash_attn"
+    assert (got.engine.runner.graphs is not None) == (stage == 8)
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    ids = [[(13 * i + 7 * j) % 10000 for j in range(20 + 41 * i)] for i in range(12)]  # to 471
+    ref_out = ref.generate(ids, params, use_tqdm=False)
+    got_out = got.generate(ids, params, use_tqdm=False)
+    for prompt, a, b in zip(ids, ref_out, got_out):
+        assert_same_up_to_top5_divergence(ref, got, prompt, a.token_ids, b.token_ids)

@@ -246,6 +246,36 @@ def test_the_cli_check_of_a_missing_file_prints_one_line_and_exits_2(tmp_path):
     )
 
 
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (
+            "x = 1\ny = x +\n",
+            "failed to import: SyntaxError: invalid syntax (my_allocator.py, line 2)",
+        ),
+        ("x = 1\ny = undefined + 1\n", "NameError: name 'undefined' is not defined (line 2 of"),
+        ("x = 1\n", "does not define OutOfBlocks, BlockAllocator"),
+    ],
+    ids=["syntax-error", "import-error", "missing-api"],
+)
+def test_pytest_on_a_file_that_cannot_load_stops_with_one_line_before_any_test(
+    tmp_path, content, expected
+):
+    mine = tmp_path / "my_allocator.py"
+    mine.write_text(content)
+    PYTEST = (sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider")
+    proc = subprocess.run(
+        [*PYTEST, "-n", "2", str(ROOT / "stages" / get_stage(2).stem), "--impl", mine.name],
+        cwd=tmp_path,  # the learner's folder: --impl is taken from here
+        capture_output=True,
+        text=True,
+    )
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert proc.returncode == pytest.ExitCode.USAGE_ERROR, lines
+    assert len(lines) == 1 and lines[0].startswith(f"ERROR: --impl {mine.resolve()}"), lines
+    assert expected in lines[0], lines
+
+
 # ---- reporting: a skip is never a pass ----
 
 

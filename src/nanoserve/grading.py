@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 import os
 import sys
+import traceback
 import types
 from pathlib import Path
 
@@ -96,10 +97,8 @@ def load_impl(
         return types.SimpleNamespace(**learner_api(stage_number))
     if impl == "starter":
         module = _module_from_file(repo_root() / get_stage(stage_number).starter)
-    elif is_path_like(impl):
-        module = _module_from_file(Path(normalize_impl(impl, base=_folder_of(base))))
     else:
-        module = _import_module(impl)
+        module = import_impl(impl, base)
     missing = [n for n in names if not hasattr(module, n)]
     if missing:
         stage = get_stage(stage_number)
@@ -108,6 +107,28 @@ def load_impl(
             f"name its starter defines ({', '.join(names)}). Copy {stage.starter} and fill it in."
         )
     return types.SimpleNamespace(**{n: getattr(module, n) for n in names})
+
+
+def import_impl(impl: str, base: str | os.PathLike | None = None) -> types.ModuleType:
+    """The module a .py path or a dotted name names, imported once (not `ref` or `starter`,
+    which need a stage); ImplementationError, one line, when it cannot be imported."""
+    if is_path_like(impl):
+        return _module_from_file(Path(normalize_impl(impl, base=_folder_of(base))))
+    return _import_module(impl)
+
+
+def stages_named_by(args: list[str], base: str | os.PathLike) -> list[Stage]:
+    """The stages whose folder (or a file in it) a pytest command line names, in order:
+    `stages/07_prefix_cache` and `stages/07_prefix_cache/test_07_prefix_cache.py::test_x` both
+    name stage 07."""
+    by_stem = {stage.stem: stage for stage in STAGES}
+    named = []
+    for arg in args:
+        path = Path(base, arg.split("::")[0]).resolve()
+        stage = by_stem.get(path.name if path.is_dir() else path.parent.name)
+        if stage is not None and stage not in named:
+            named.append(stage)
+    return sorted(named, key=lambda stage: stage.number)
 
 
 def _folder_of(base: str | os.PathLike | None) -> Path | None:
@@ -149,9 +170,20 @@ def _module_from_file(path: Path) -> types.ModuleType:
         spec.loader.exec_module(module)
     except Exception as err:
         del sys.modules[name]
-        raise ImplementationError(f"--impl {path} failed to import: {_one_line(err)}") from err
+        where = _where_in(err, path)
+        raise ImplementationError(
+            f"--impl {path} failed to import: {_one_line(err)}{where}"
+        ) from err
     return module
 
 
 def _one_line(err: Exception) -> str:
     return f"{type(err).__name__}: {err}".splitlines()[0]
+
+
+def _where_in(err: Exception, path: Path) -> str:
+    """' (line N of file.py)': the last line of the learner's file the error passed through."""
+    lines = [f.lineno for f in traceback.extract_tb(err.__traceback__) if f.filename == str(path)]
+    if not lines or isinstance(err, SyntaxError):  # a SyntaxError names its line itself
+        return ""
+    return f" (line {lines[-1]} of {path.name})"

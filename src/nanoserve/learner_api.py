@@ -23,7 +23,7 @@ from nanoserve.kernels.torch_paged import gather_kv, store_kvcache
 from nanoserve.layers import embedding, linear
 from nanoserve.layers.norm import rms_norm
 from nanoserve.layers.rotary import apply_rotary, rope_cos_sin, rope_inv_freq, rotate_half
-from nanoserve.layers.tensor_parallel import padded_shard_range, shard_range
+from nanoserve.layers.shards import padded_shard_range, shard_range
 from nanoserve.models.decoder import swiglu
 from nanoserve.sampling import filter_probs, sample_one
 from nanoserve.serving.async_engine import AsyncEngine

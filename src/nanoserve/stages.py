@@ -203,7 +203,9 @@ STAGES: tuple[Stage, ...] = (
         oracle=8,
         proven_equal_to="stage 08 with one rank",
         reference_modules=(
+            "layers/shards.py",
             "layers/tensor_parallel.py",
+            "layers/weight_loader.py",
             "layers/linear.py",
             "layers/embedding.py",
             "layers/activation.py",

@@ -47,8 +47,31 @@ def decode_one(manager, seq, token_id=99) -> None:
     next decode makes room for that token."""
     seq.num_cached_tokens = len(seq)
     seq.append_token(token_id)
-    assert manager.can_append(seq)
+    assert manager.can_append(seq), (
+        f"can_append refused token {len(seq)} of a sequence on {seq.block_table} with "
+        f"{manager.num_free_blocks} blocks free"
+    )
     manager.may_append(seq)
+
+
+def slots_message(name: str, got: torch.Tensor, want: torch.Tensor, block_size: int) -> str:
+    """The slots of a (num_blocks, block_size, H_kv, D) cache that differ, by block and offset."""
+    wrong = (got != want).flatten(2).any(-1).nonzero().tolist()
+    places = [f"slot {b * block_size + o} (block {b}, offset {o})" for b, o in wrong[:5]]
+    return f"{name}: {len(wrong)} slot(s) hold the wrong values: {', '.join(places)}"
+
+
+def positions_message(got: torch.Tensor, want: torch.Tensor) -> str:
+    """Which gathered rows differ; every row of `want` holds its position + 1, so a row's values
+    say which position was read into it (-7 is a slot the sequence does not own)."""
+    if got.shape != want.shape:
+        return f"gather_kv returned {tuple(got.shape)}, expected {tuple(want.shape)}"
+    rows = (got != want).flatten(1).any(-1).nonzero().flatten().tolist()
+    read = [f"row {p} holds {got[p].flatten()[0].item():g}" for p in rows[:5]]
+    return (
+        f"rows {rows} are wrong ({'; '.join(read)}): row p must hold position p's values, "
+        "p + 1 here, and -7 marks a slot read that the sequence does not own"
+    )
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -134,10 +157,13 @@ def first_difference(got, want) -> str:
 
 def test_task_1_prompt_a_on_a_fresh_pool_gets_blocks_0_1_2(impl):
     manager = impl.BlockManager(8, 4)
-    assert (manager.num_blocks, manager.block_size, manager.num_free_blocks) == (8, 4, 8)
+    books = (manager.num_blocks, manager.block_size, manager.num_free_blocks)
+    assert books == (8, 4, 8), f"BlockManager(8, 4): (num_blocks, block_size, free) is {books}"
     a = admitted(manager, A)
-    assert a.block_table == [0, 1, 2]  # ceil(11 / 4) = 3 blocks, the first ids of a fresh pool
-    assert manager.num_free_blocks == 5
+    assert a.block_table == [0, 1, 2], (  # ceil(11 / 4) = 3 blocks, a fresh pool's first ids
+        f"11 tokens on a fresh pool of blocks of 4 got {a.block_table}, not [0, 1, 2]"
+    )
+    assert manager.num_free_blocks == 5, f"{manager.num_free_blocks} free of 8 after 3 taken"
     check_books(manager, [a], 8, 4)
 
 
@@ -147,12 +173,21 @@ def test_task_1_can_allocate_counts_every_token_and_changes_nothing(impl):
     preempted = Sequence(A, SamplingParams())  # as if preempted after generating two tokens:
     preempted.append_token(99)  # its 13 tokens are all recomputed, so it needs 4 blocks,
     preempted.append_token(100)  # not the 3 its 11-token prompt alone would need
-    assert not manager.can_allocate(preempted)
-    assert manager.num_free_blocks == 3 and preempted.block_table == []
+    assert not manager.can_allocate(preempted), (
+        "can_allocate said yes to a 13-token sequence (4 blocks) with 3 free: count every "
+        "token, not only the prompt's 11"
+    )
+    assert manager.num_free_blocks == 3 and preempted.block_table == [], (
+        f"a refused can_allocate changed something: {manager.num_free_blocks} free (3), table "
+        f"{preempted.block_table} ([])"
+    )
     manager.deallocate(small)
-    assert manager.can_allocate(preempted)
+    assert manager.can_allocate(preempted), "13 tokens on 4 free blocks of 4 must fit"
     manager.allocate(preempted)
-    assert len(preempted.block_table) == 4 and manager.num_free_blocks == 0
+    assert len(preempted.block_table) == 4 and manager.num_free_blocks == 0, (
+        f"13 tokens got {preempted.block_table} with {manager.num_free_blocks} free; "
+        "expected 4 blocks and 0 free"
+    )
     check_books(manager, [preempted], 4, 4)
 
 
@@ -164,18 +199,24 @@ def test_task_1_check_fits_refuses_a_request_that_needs_more_blocks_than_exist(i
         manager.check_fits(33, 34)  # the prompt alone needs 9 blocks
     with pytest.raises(ValueError):
         manager.check_fits(3, 60)  # prompt + max_tokens needs 15
-    assert manager.num_free_blocks == 8
+    assert manager.num_free_blocks == 8, "check_fits must take no block"
 
 
 def test_task_1_decode_at_length_12_needs_no_block_and_at_13_takes_one(impl):
     manager = impl.BlockManager(8, 4)
     a = admitted(manager, A)
     other = admitted(manager, list(range(12)))  # takes 3, 4, 5
-    assert other.block_table == [3, 4, 5]
+    assert other.block_table == [3, 4, 5], f"the second sequence got {other.block_table}"
     decode_one(manager, a, 99)  # length 12: token 99 sits at position 11, offset 3 of block 2
-    assert a.block_table == [0, 1, 2] and manager.num_free_blocks == 2
+    assert a.block_table == [0, 1, 2] and manager.num_free_blocks == 2, (
+        f"at length 12, A is on {a.block_table} with {manager.num_free_blocks} free: position 11 "
+        "is offset 3 of block 2, so no block may be taken"
+    )
     decode_one(manager, a, 100)  # length 13: token 100 is the first of a new page
-    assert a.block_table == [0, 1, 2, 6] and manager.num_free_blocks == 1
+    assert a.block_table == [0, 1, 2, 6] and manager.num_free_blocks == 1, (
+        f"at length 13, A is on {a.block_table} with {manager.num_free_blocks} free; expected "
+        "[0, 1, 2, 6] and 1: position 12 opens a new page"
+    )
     check_books(manager, [a, other], 8, 4)
 
 
@@ -185,8 +226,10 @@ def test_task_1_can_append_is_false_only_when_a_boundary_meets_an_empty_pool(imp
     decode_one(manager, a, 99)  # position 11 still fits block 2
     a.num_cached_tokens = len(a)
     a.append_token(100)  # position 12 needs a fourth block; there is none
-    assert not manager.can_append(a)
-    assert a.block_table == [0, 1, 2] and manager.num_free_blocks == 0
+    assert not manager.can_append(a), "position 12 needs a fourth block and the pool is empty"
+    assert a.block_table == [0, 1, 2] and manager.num_free_blocks == 0, (
+        f"can_append changed something: A on {a.block_table}, {manager.num_free_blocks} free"
+    )
 
 
 @pytest.mark.parametrize("block_size", [1, 2, 4])
@@ -211,7 +254,7 @@ def test_task_1_with_the_pool_exhausted_can_append_is_true_exactly_while_the_las
         )
         if fits:
             manager.may_append(seq)
-    assert seq.block_table == list(range(num_blocks))
+    assert seq.block_table == list(range(num_blocks)), f"the table ended as {seq.block_table}"
 
 
 @pytest.mark.parametrize("block_size", [1, 2, 4, 16])
@@ -231,18 +274,21 @@ def test_task_1_deallocate_frees_everything_and_forgets_the_cached_tokens(impl):
     decode_one(manager, a)
     decode_one(manager, a)  # 13 tokens on 4 blocks, 12 of them cached
     manager.deallocate(a)
-    assert (a.block_table, a.num_cached_tokens, manager.num_free_blocks) == ([], 0, 8)
+    after = (a.block_table, a.num_cached_tokens, manager.num_free_blocks)
+    assert after == ([], 0, 8), (
+        f"after deallocate: (block_table, num_cached_tokens, free) is {after}; expected ([], 0, 8)"
+    )
     check_books(manager, [], 8, 4)
-    assert manager.can_allocate(a)  # preempted: comes back with all 13 tokens to recompute
+    assert manager.can_allocate(a), "a preempted 13-token sequence must fit an empty pool of 8"
     manager.allocate(a)
-    assert len(a.block_table) == 4
+    assert len(a.block_table) == 4, f"13 tokens readmitted got {a.block_table}: 4 blocks of 4"
     check_books(manager, [a], 8, 4)
 
 
 def test_task_1_blocks_freed_by_a_finished_sequence_are_reused_last_freed_first(impl):
     manager = impl.BlockManager(3, 4)
     a = admitted(manager, A)
-    assert not manager.can_allocate(Sequence([5], SamplingParams()))  # the pool is full
+    assert not manager.can_allocate(Sequence([5], SamplingParams())), "the pool is full"
     manager.deallocate(a)  # frees [0, 1, 2] in table order: 2 is on top of the free stack
     b = admitted(manager, list(range(12)))
     assert b.block_table == [2, 1, 0], (
@@ -313,7 +359,9 @@ def test_task_1_random_traffic_keeps_the_books_consistent(impl):
         check_books(manager, live, num_blocks, block_size)
     for seq in live:
         manager.deallocate(seq)
-    assert manager.num_free_blocks == num_blocks
+    assert manager.num_free_blocks == num_blocks, (
+        f"every sequence released, yet {num_blocks - manager.num_free_blocks} blocks are held"
+    )
 
 
 # ---- task 2: write K/V into the pool by slot ----
@@ -334,8 +382,8 @@ def test_task_2_store_writes_each_token_at_the_block_and_offset_of_its_slot(impl
     for j, slot in enumerate(slots):
         expected_k[slot // 4, slot % 4] = k[j]
         expected_v[slot // 4, slot % 4] = v[j]
-    assert torch.equal(k_cache, expected_k)
-    assert torch.equal(v_cache, expected_v)
+    for name, got, want in (("k_cache", k_cache, expected_k), ("v_cache", v_cache, expected_v)):
+        assert torch.equal(got, want), slots_message(name, got, want, 4)
 
 
 def test_task_2_store_skips_padding_slots_marked_minus_one(impl):
@@ -347,15 +395,22 @@ def test_task_2_store_skips_padding_slots_marked_minus_one(impl):
         assert written == [9], (
             f"{name}: slots {written} changed; only slot 9 may (-1 must not wrap to the last slot)"
         )
-    assert torch.equal(k_cache[2, 1], k[1]) and torch.equal(v_cache[2, 1], 2 * k[1])
+    assert torch.equal(k_cache[2, 1], k[1]) and torch.equal(v_cache[2, 1], 2 * k[1]), (
+        "slot 9 (block 2, offset 1) must hold token 1's k and v"
+    )
 
 
 def test_task_2_store_writes_into_the_pool_through_its_layer_views(impl):
     pool = torch.zeros(2, 3, 6, 4, 2, 3, dtype=torch.float64)  # [2, L, N, block_size, H_kv, D]
     k = torch.randn(3, 2, 3, dtype=torch.float64)
     impl.store_kvcache(k, -k, pool[0, 1], pool[1, 1], torch.tensor([8, 9, 23]))
-    assert torch.equal(pool[0, 1, 2, :2], k[:2]) and torch.equal(pool[0, 1, 5, 3], k[2])
-    assert torch.equal(pool[1, 1, 2, :2], -k[:2]) and torch.equal(pool[1, 1, 5, 3], -k[2])
+    assert torch.equal(pool[0, 1, 2, :2], k[:2]) and torch.equal(pool[0, 1, 5, 3], k[2]), (
+        "layer 1's keys: slots 8, 9 (block 2, offsets 0, 1) and 23 (block 5, offset 3) must hold "
+        "tokens 0, 1, 2, written through the view pool[0, 1]"
+    )
+    assert torch.equal(pool[1, 1, 2, :2], -k[:2]) and torch.equal(pool[1, 1, 5, 3], -k[2]), (
+        "layer 1's values: slots 8, 9 and 23 must hold tokens 0, 1, 2, through pool[1, 1]"
+    )
     assert pool[:, 0].abs().sum() == 0 and pool[:, 2].abs().sum() == 0, "other layers changed"
 
 
@@ -376,8 +431,8 @@ def filled_cache(table, context_len, block_size=4, num_blocks=6, num_kv_heads=2,
 def test_task_3_gather_returns_logical_order_from_scattered_blocks(impl):
     cache, expected = filled_cache([5, 2, 0], 10)
     got = impl.gather_kv(cache, torch.tensor([5, 2, 0], dtype=torch.int32), 10)
-    assert got.shape == (10, 2, 3)
-    assert torch.equal(got, expected)
+    assert got.shape == (10, 2, 3), f"gather_kv returned {tuple(got.shape)}, not (10, 2, 3)"
+    assert torch.equal(got, expected), positions_message(got, expected)
 
 
 def test_task_3_gather_stops_at_context_len_and_never_reads_padding(impl):
@@ -385,14 +440,16 @@ def test_task_3_gather_stops_at_context_len_and_never_reads_padding(impl):
     table = torch.tensor([3, 1, -1, -1], dtype=torch.int32)  # a padded row of block_tables
     got = impl.gather_kv(cache, table, 5)
     assert got.shape == (5, 2, 3), "return exactly context_len rows"
-    assert torch.equal(got, expected)
+    assert torch.equal(got, expected), positions_message(got, expected)
 
 
 @pytest.mark.parametrize("context_len", [1, 4, 8])
 def test_task_3_gather_at_block_edges(impl, context_len):
     cache, expected = filled_cache([4, 0], context_len)
     got = impl.gather_kv(cache, torch.tensor([4, 0, -1], dtype=torch.int32), context_len)
-    assert torch.equal(got, expected)
+    assert got.shape == expected.shape and torch.equal(got, expected), positions_message(
+        got, expected
+    )
 
 
 def test_task_3_gather_reads_blocks_of_block_size_rows_whatever_the_other_dimensions(impl):
@@ -494,8 +551,9 @@ def test_task_4_b_sharing_nothing_packs_after_a_with_its_own_blocks(impl):
 def test_task_4_prefill_reads_the_tables_and_changes_nothing(impl):
     a = seq_of(A, [0, 1, 2])
     step = impl.prepare_prefill([a], 4, "cpu")
-    assert (a.block_table, a.num_cached_tokens, len(a)) == ([0, 1, 2], 0, 11)
-    assert step.input_ids.device.type == "cpu"
+    after = (a.block_table, a.num_cached_tokens, len(a))
+    assert after == ([0, 1, 2], 0, 11), f"prepare_prefill changed the sequence: {after}"
+    assert step.input_ids.device.type == "cpu", f"input_ids on {step.input_ids.device}, not cpu"
 
 
 # ---- task 5: the decode step's tensors ----
@@ -648,8 +706,10 @@ def test_task_6_all_pieces_with_a_large_pool_give_stage_01_tokens_and_free_every
         tiny_llama_folder, {name: getattr(impl, name) for name in API}, num_kv_blocks=1000
     )
     assert_tokens(run_checked(llm, prompts, 1000), stage_01_tokens)
-    assert llm.engine.scheduler.num_preemptions == 0
-    assert llm.engine.manager.num_free_blocks == 1000
+    num_preemptions = llm.engine.scheduler.num_preemptions
+    assert num_preemptions == 0, f"{num_preemptions} preemptions on a pool of 1000 blocks"
+    num_held = 1000 - llm.engine.manager.num_free_blocks
+    assert num_held == 0, f"{num_held} blocks still held after every request finished"
 
 
 def test_task_6_a_pool_so_small_it_preempts_still_gives_stage_01_tokens(

@@ -123,7 +123,7 @@ def dtype_id(dtype: torch.dtype) -> str:
 @pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32], ids=dtype_id)
 def test_task_4_strided_views_of_a_fused_qkv_output_are_copied_bit_for_bit(impl, dtype, slot_dtype):
     key, value = fused_kv(6, 9, 3, 64, dtype)  # SmolLM2's heads: 9 query, 3 KV, D 64
-    assert not key.is_contiguous() and key.stride(0) == 15 * 64
+    assert not key.is_contiguous() and key.stride(0) == 15 * 64, "the test's view is not strided"
     check_store(impl, key, value, torch.tensor([5, -1, 0, 13, -1, 7], dtype=slot_dtype))
 
 
@@ -163,6 +163,8 @@ def test_task_5_the_engine_on_your_store_gives_stage_04_tokens_and_pool_bytes(
     )
     tokens, pool = run(llm, prompts)
     want_tokens, want_pool = stage_04_run
-    assert tokens == want_tokens
-    assert pool.shape == want_pool.shape
+    for i, (mine, want) in enumerate(zip(tokens, want_tokens)):
+        assert mine == want, f"request {i} generated {mine} on your store; stage 04 gave {want}"
+    assert tokens == want_tokens, f"{len(tokens)} outputs for {len(want_tokens)} requests"
+    assert pool.shape == want_pool.shape, f"pool {tuple(pool.shape)}, stage 04's {want_pool.shape}"
     assert torch.equal(pool.view(torch.uint8), want_pool.view(torch.uint8)), "pool bytes differ"

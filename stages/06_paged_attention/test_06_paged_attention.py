@@ -97,9 +97,24 @@ def check_prefill(impl, pages: Pages, q_lens) -> None:
         max(q_lens),
         pages.scale,
     )
-    assert got.shape == q.shape and got.dtype == q.dtype
+    assert got.shape == q.shape and got.dtype == q.dtype, (
+        f"the output is {tuple(got.shape)} {got.dtype}; expected q's {tuple(q.shape)} {q.dtype}"
+    )
     want = torch.cat([pages.expected(q[cu[b] : cu[b + 1]], b) for b in range(len(q_lens))])
     assert_close(got, want, pages.dtype)
+
+
+def not_finite_message(got: torch.Tensor, context_lens) -> str:
+    """Which output rows hold NaN or inf, and the three ways a decode kernel gets there."""
+    rows = [b for b in range(got.shape[0]) if not torch.isfinite(got[b]).all()]
+    lens = [context_lens[b] for b in rows]
+    return (
+        f"output rows {rows} (context lengths {lens}) hold NaN or inf. Either a program read a "
+        "slot its sequence does not own (every slot no sequence owns holds NaN here: a block "
+        "past the context, a -1 table entry, another sequence's page), or a row or partition "
+        "was never written (an output from torch.empty holds whatever that memory held, so this "
+        "can come and go between runs), or a softmax divided by a zero sum"
+    )
 
 
 def check_decode(impl, pages: Pages, **launch) -> torch.Tensor:
@@ -108,8 +123,10 @@ def check_decode(impl, pages: Pages, **launch) -> torch.Tensor:
     got = impl.paged_attention_decode(
         q, pages.k_cache, pages.v_cache, pages.lens, pages.block_tables, pages.scale, **launch
     )
-    assert got.shape == q.shape and got.dtype == q.dtype
-    assert torch.isfinite(got).all(), "a NaN: some program read a slot its sequence does not own"
+    assert got.shape == q.shape and got.dtype == q.dtype, (
+        f"the output is {tuple(got.shape)} {got.dtype}; expected q's {tuple(q.shape)} {q.dtype}"
+    )
+    assert torch.isfinite(got).all(), not_finite_message(got, pages.context_lens)
     for b, n in enumerate(pages.context_lens):
         if n == 0:
             assert not got[b].any(), f"row {b} is padding (context 0): its output must be 0"
@@ -218,4 +235,10 @@ def test_task_5_the_engine_on_your_kernels_gives_stage_04_tokens(
     llm = LLM(
         tiny_llama_folder, stage=6, attention_backend="triton", components=components, **ENGINE
     )
-    assert greedy(llm, prompts) == stage_04_tokens
+    got = greedy(llm, prompts)
+    for i, (mine, want) in enumerate(zip(got, stage_04_tokens)):
+        assert mine == want, (
+            f"request {i} on your {' and '.join(pieces)} kernel(s) generated {mine}; stage 04 "
+            f"generated {want}"
+        )
+    assert got == stage_04_tokens, f"{len(got)} outputs for {len(stage_04_tokens)} requests"

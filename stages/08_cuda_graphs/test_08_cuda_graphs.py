@@ -100,7 +100,10 @@ def test_task_1_a_batch_above_the_largest_bucket_has_none_and_runs_eagerly(impl)
 
 def test_task_1_bucket_for_picks_from_the_buckets_it_is_given(impl):
     got = [impl.bucket_for(n, [3, 10]) for n in (1, 3, 4, 10, 11)]
-    assert got == [3, 3, 10, 10, None]
+    assert got == [3, 3, 10, 10, None], (
+        f"with buckets [3, 10], batches 1, 3, 4, 10, 11 got {got}: the smallest bucket that "
+        "holds the batch, None above the largest"
+    )
 
 
 # ---- task 2: padding a decode step to a bucket and the static table width ----
@@ -121,8 +124,12 @@ def test_task_2_real_rows_come_first_unchanged(impl):
 
 def test_task_2_padding_rows_feed_token_0_at_position_0(impl):
     padded = impl.pad_decode(decode_step(), 4, 6)
-    assert padded.input_ids.tolist() == [104, 208, 311, 0]
-    assert padded.positions.tolist() == [4, 8, 11, 0]
+    assert padded.input_ids.tolist() == [104, 208, 311, 0], (
+        f"input_ids {padded.input_ids.tolist()}: the padding row feeds token 0"
+    )
+    assert padded.positions.tolist() == [4, 8, 11, 0], (
+        f"positions {padded.positions.tolist()}: the padding row sits at position 0"
+    )
 
 
 def test_task_2_padding_rows_write_to_slot_minus_1_and_read_context_0(impl):
@@ -134,12 +141,14 @@ def test_task_2_padding_rows_write_to_slot_minus_1_and_read_context_0(impl):
 
 def test_task_2_every_table_is_widened_with_minus_1_to_the_static_width(impl):
     md = impl.pad_decode(decode_step(), 4, 6).metadata
-    assert md.block_tables.tolist() == [
+    want = [
         [3, 1, -1, -1, -1, -1],
         [0, 2, 4, -1, -1, -1],
         [7, 5, 6, -1, -1, -1],
         [-1, -1, -1, -1, -1, -1],
     ]
+    got = md.block_tables.tolist()
+    assert got == want, f"block_tables {got}: each row widened to 6 with -1, a padding row all -1"
 
 
 def test_task_2_cu_seqlens_give_every_row_one_query_and_padding_no_context(impl):
@@ -153,8 +162,8 @@ def test_task_2_the_real_sequences_are_still_the_ones_counted(impl):
     step = decode_step()
     md = impl.pad_decode(step, 8, 6).metadata
     assert md.num_seqs == 3, f"num_seqs {md.num_seqs}: the padding rows are not sequences"
-    assert md.host == step.metadata.host
-    assert md.is_prefill is False
+    assert md.host == step.metadata.host, "the host copies must stay the real sequences' lists"
+    assert md.is_prefill is False, f"is_prefill is {md.is_prefill!r}: a padded step is a decode"
 
 
 def test_task_2_every_tensor_keeps_its_dtype(impl):
@@ -167,7 +176,9 @@ def test_task_2_every_tensor_keeps_its_dtype(impl):
 
 def test_task_2_a_step_already_at_its_bucket_and_width_is_unchanged(impl):
     step = decode_step()
-    assert as_lists(impl.pad_decode(step, 3, 3)) == as_lists(step)
+    got = as_lists(impl.pad_decode(step, 3, 3))
+    changed = [name for name, want in as_lists(step).items() if got.get(name) != want]
+    assert got == as_lists(step), f"padding to its own size and width changed {changed}"
 
 
 def test_task_2_at_the_table_width_edge_the_last_tokens_block_fills_the_row(impl):
@@ -175,8 +186,12 @@ def test_task_2_at_the_table_width_edge_the_last_tokens_block_fills_the_row(impl
     width = table_width(13, BLOCK_SIZE)
     step = decode_step((12, 13), ([7, 5, 6], [0, 2, 4, 1]))
     md = impl.pad_decode(step, 4, width).metadata
-    assert md.block_tables.tolist() == [[7, 5, 6, -1], [0, 2, 4, 1], [-1] * 4, [-1] * 4]
-    assert md.slot_mapping.tolist() == [27, 4, -1, -1]  # 6 * 4 + 3, then 1 * 4 + 0
+    got = md.block_tables.tolist()
+    assert got == [[7, 5, 6, -1], [0, 2, 4, 1], [-1] * 4, [-1] * 4], (
+        f"block_tables {got} at width {width}: the 13-token sequence's 4 blocks fill its row"
+    )
+    slots = md.slot_mapping.tolist()
+    assert slots == [27, 4, -1, -1], f"slot_mapping {slots}: 6 * 4 + 3, then 1 * 4 + 0"
 
 
 @pytest.mark.parametrize(("batch_size", "width"), [(2, 6), (4, 2)], ids=["rows", "columns"])
@@ -198,7 +213,8 @@ def test_task_3_the_step_lands_in_the_views_a_graph_captured_before_it(impl):
     for name, want in as_lists(step).items():
         got = tensors(captured)[name].tolist()
         assert got == want, f"{name}: the static buffer holds {got}, the step {want}"
-    assert {name: t.data_ptr() for name, t in tensors(static).items()} == addresses
+    moved = [n for n, t in tensors(static).items() if t.data_ptr() != addresses[n]]
+    assert not moved, f"{moved} now point at other memory: copy into the buffers, never rebind"
 
 
 def test_task_3_rows_past_the_bucket_stay_padding(impl):
@@ -207,7 +223,7 @@ def test_task_3_rows_past_the_bucket_stay_padding(impl):
     md = static.metadata
     assert md.slot_mapping[4:].tolist() == [-1] * 4, "rows 4..7 must not write anywhere"
     assert md.context_lens[4:].tolist() == [0] * 4, "rows 4..7 must read nothing"
-    assert md.block_tables[4:].tolist() == [[-1] * 6] * 4
+    assert md.block_tables[4:].tolist() == [[-1] * 6] * 4, "rows 4..7's tables must stay -1"
 
 
 def test_task_3_a_smaller_batch_replaces_the_last_steps_rows_with_padding(impl):
@@ -218,10 +234,13 @@ def test_task_3_a_smaller_batch_replaces_the_last_steps_rows_with_padding(impl):
     three = decode_step((6, 10, 13), ([3, 1], [0, 2, 4], [7, 5, 6, 10]))
     impl.fill_static(static, reference_pad_decode(three, 4, 6))
     md = static.metadata
-    assert static.input_ids.tolist() == [105, 209, 312, 0]
+    assert static.input_ids.tolist() == [105, 209, 312, 0], (
+        f"input_ids {static.input_ids.tolist()}: row 3 is padding now, token 0"
+    )
     assert md.slot_mapping.tolist() == [5, 17, 40, -1], "row 3 is padding now: slot -1"
     assert md.context_lens.tolist() == [6, 10, 13, 0], "row 3 is padding now: context 0"
-    assert md.block_tables.tolist()[2:] == [[7, 5, 6, 10, -1, -1], [-1] * 6]
+    got = md.block_tables.tolist()[2:]
+    assert got == [[7, 5, 6, 10, -1, -1], [-1] * 6], f"rows 2, 3 of block_tables: {got}"
 
 
 def test_task_3_the_buffers_hold_copies_not_the_steps_tensors(impl):
@@ -230,8 +249,11 @@ def test_task_3_the_buffers_hold_copies_not_the_steps_tensors(impl):
     impl.fill_static(static, step)
     step.metadata.slot_mapping.fill_(99)  # the next step's tensors are new; this one may change
     step.input_ids.fill_(99)
-    assert static.metadata.slot_mapping.tolist() == [4, 16, 27, -1]
-    assert static.input_ids.tolist() == [104, 208, 311, 0]
+    slots, ids = static.metadata.slot_mapping.tolist(), static.input_ids.tolist()
+    assert slots == [4, 16, 27, -1] and ids == [104, 208, 311, 0], (
+        f"the buffers changed with the step's tensors (slots {slots}, input_ids {ids}): "
+        "fill_static must copy values in, not keep the step's tensors"
+    )
 
 
 # ---- tasks 4-5: the engine replays decode steps through your pieces ----
@@ -293,12 +315,23 @@ def capture_reruns(graphs: DecodeGraphs) -> None:
         graphs.graphs[bucket] = RerunGraph(graphs, bucket)
 
 
+def replay_message(got: list[list[int]], eager: list[list[int]]) -> str:
+    """Which requests' replayed tokens differ from the eager engine's, and where."""
+    for i, (mine, want) in enumerate(zip(got, eager)):
+        if mine != want:
+            at = next((j for j, (a, b) in enumerate(zip(mine, want)) if a != b), None)
+            where = f"from token {at}" if at is not None else "in length"
+            return f"request {i} differs {where}: replayed {mine}, eager {want}"
+    return f"{len(got)} outputs for {len(eager)} requests"
+
+
 def test_task_4_the_engine_replays_through_your_pieces_and_gives_the_eager_tokens(
     impl, your_pieces, tiny_llama_folder
 ):
     eager = greedy(LLM(tiny_llama_folder, stage=8, device="cpu", **ENGINE))
     llm, replayed = replaying_engine(tiny_llama_folder, "cpu", capture_reruns)
-    assert greedy(llm) == eager
+    got = greedy(llm)
+    assert got == eager, replay_message(got, eager)
     assert sorted(set(replayed)) == list(range(1, MAX_NUM_SEQS + 1)), "every decode step replays"
 
 
@@ -317,5 +350,6 @@ def test_task_5_on_a_gpu_captured_graphs_replay_the_eager_tokens(
         )
     )
     llm, replayed = replaying_engine(tiny_llama_folder, "cuda", DecodeGraphs.capture)
-    assert greedy(llm) == eager
+    got = greedy(llm)
+    assert got == eager, replay_message(got, eager)
     assert sorted(set(replayed)) == list(range(1, MAX_NUM_SEQS + 1)), "every decode step replays"

@@ -31,13 +31,13 @@ import torch
 import torch.nn.functional as F  # noqa: F401  (the forwards)
 from torch import nn
 
-from nanoserve.layers.linear import check_shape, default_weight_loader, full_shape  # noqa: F401
 from nanoserve.layers.tensor_parallel import (  # noqa: F401  (given: use them, do not rewrite)
     ONE_RANK,
     TensorParallel,
     all_reduce,
     gather_on_first,
 )
+from nanoserve.layers.weight_loader import check_shape, default_weight_loader, full_shape  # noqa: F401
 
 # Given (nanoserve/layers/tensor_parallel.py):
 #   TensorParallel(rank, size)     which rank this process is among how many; tp.split(total,

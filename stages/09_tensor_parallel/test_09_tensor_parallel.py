@@ -549,7 +549,12 @@ def test_task_3_each_rank_holds_its_query_heads_and_the_kv_heads_they_read(
         # the grouping attention applies on this rank matches the model's: local query head i
         # reads local KV head i // (q_share / kv_share), which is global head q0+i's KV head
         for i in range(q_share):
-            assert kv0 + i // (q_share // kv_share) == (q0 + i) // (num_heads // num_kv_heads)
+            local = kv0 + i // (q_share // kv_share)
+            model = (q0 + i) // (num_heads // num_kv_heads)
+            assert local == model, (
+                f"{where}: local query head {i} (global {q0 + i}) attends KV head {local} here, "
+                f"but KV head {model} in the whole model"
+            )
 
 
 # ---- task 4: row-parallel ----

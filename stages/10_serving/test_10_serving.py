@@ -84,6 +84,18 @@ def per_stream(deliveries: list[Delivery], streams) -> list[list]:
     return [[d.item for d in deliveries if d.stream is s] for s in streams]
 
 
+def tokens_message(who: str, got: list[int], want: list[int]) -> str:
+    """got != want, said in tokens, with the cause when it is a lost first token."""
+    message = f"{who} got tokens {got}, offline gave {want}"
+    if want and got == want[1:]:
+        message += (
+            ": the first token is missing. A caller takes the first delta of an accepted request "
+            "for 'queued' and drops it: does apply deliver an empty TokenDelta([]) for an Add "
+            "it accepts, before any token?"
+        )
+    return message
+
+
 def assert_idle(engine) -> None:
     assert not engine.scheduler.waiting and not engine.scheduler.running, "requests left queued"
     free, total = engine.manager.num_free_blocks, engine.manager.num_blocks
@@ -103,7 +115,11 @@ def test_task_1_an_accepted_request_is_queued_tracked_and_told_so(
     assert out == [Delivery(stream, TokenDelta([], None))], "deliver an empty 'queued' delta"
     assert list(engine_loop.requests) == [7], "track it under its stream's request_id"
     seq = engine_loop.requests[7].seq
-    assert seq.prompt_token_ids == [1, 2, 3] and list(engine_loop.engine.scheduler.waiting) == [seq]
+    waiting = list(engine_loop.engine.scheduler.waiting)
+    assert seq.prompt_token_ids == [1, 2, 3] and waiting == [seq], (
+        f"the tracked sequence has prompt {seq.prompt_token_ids} and the scheduler's waiting "
+        f"queue holds {len(waiting)} sequence(s): engine.add_request([1, 2, 3]) must queue it"
+    )
 
 
 def test_task_1_a_rejected_request_gets_its_error_and_disturbs_nobody(
@@ -114,9 +130,11 @@ def test_task_1_a_rejected_request_gets_its_error_and_disturbs_nobody(
     engine_loop.apply(Add(good, [1, 2], greedy(4)))
     out = engine_loop.apply(Add(bad, list(range(48)), greedy(4)))  # 48 tokens: max_model_len
     assert len(out) == 1 and out[0].stream is bad, out
-    assert isinstance(out[0].item, ValueError) and "max_model_len" in str(out[0].item)
+    assert isinstance(out[0].item, ValueError) and "max_model_len" in str(out[0].item), (
+        f"the rejected stream got {out[0].item!r}: deliver the ValueError add_request raised"
+    )
     assert list(engine_loop.requests) == [0], "a rejected request is not tracked"
-    assert len(engine_loop.engine.scheduler.waiting) == 1
+    assert len(engine_loop.engine.scheduler.waiting) == 1, "the good request must stay queued"
 
 
 def test_task_1_an_abort_frees_the_requests_blocks_at_once(impl, tiny_llama_folder, idle_loop):
@@ -127,9 +145,15 @@ def test_task_1_an_abort_frees_the_requests_blocks_at_once(impl, tiny_llama_fold
     engine.step()  # both prefill: 1 and 3 blocks of 4
     kept = engine_loop.requests[5].seq
     out = engine_loop.apply(Abort(3))
-    assert out == [Delivery(streams[0], TokenDelta([], "abort"))]
-    assert list(engine_loop.requests) == [5]
-    assert list(engine.scheduler.running) == [kept] and not engine.scheduler.waiting
+    assert out == [Delivery(streams[0], TokenDelta([], "abort"))], (
+        f"Abort(3) returned {out}: the aborted stream hears TokenDelta([], 'abort')"
+    )
+    assert list(engine_loop.requests) == [5], (
+        f"tracked after Abort(3): {list(engine_loop.requests)}"
+    )
+    assert list(engine.scheduler.running) == [kept] and not engine.scheduler.waiting, (
+        "after Abort(3) only request 5 may be in the scheduler: call engine.abort([seq])"
+    )
     assert engine.manager.num_free_blocks == engine.manager.num_blocks - 3, "free its blocks now"
     engine.manager.check_invariants()
 
@@ -138,8 +162,11 @@ def test_task_1_an_abort_takes_a_waiting_request_off_the_queue(impl, tiny_llama_
     engine_loop = impl.AsyncEngine(new_llm(tiny_llama_folder).engine)
     stream = RequestStream(0, idle_loop)
     engine_loop.apply(Add(stream, [1, 2, 3], greedy(4)))
-    assert engine_loop.apply(Abort(0)) == [Delivery(stream, TokenDelta([], "abort"))]
-    assert engine_loop.requests == {}
+    out = engine_loop.apply(Abort(0))
+    assert out == [Delivery(stream, TokenDelta([], "abort"))], (
+        f"Abort(0) of a waiting request returned {out}: its stream hears TokenDelta([], 'abort')"
+    )
+    assert engine_loop.requests == {}, f"still tracked after its abort: {engine_loop.requests}"
     assert_idle(engine_loop.engine)
 
 
@@ -149,7 +176,9 @@ def test_task_1_aborting_an_unknown_or_finished_request_does_nothing(
     engine_loop = impl.AsyncEngine(new_llm(tiny_llama_folder).engine)
     engine_loop.apply(Add(RequestStream(0, idle_loop), [1, 2, 3], greedy(4)))
     assert engine_loop.apply(Abort(99)) == [], "never accepted, or finished: nothing to do"
-    assert list(engine_loop.requests) == [0] and len(engine_loop.engine.scheduler.waiting) == 1
+    assert list(engine_loop.requests) == [0] and len(engine_loop.engine.scheduler.waiting) == 1, (
+        "Abort(99), of an id never tracked, must leave request 0 tracked and queued"
+    )
     engine_loop.apply(Abort(0))
     assert engine_loop.apply(Abort(0)) == [], "aborting twice is aborting once"
 
@@ -204,7 +233,8 @@ def test_task_2_a_finished_request_is_dropped_and_nothing_is_sent_twice(
         assert [d.stream for d in out] == expected, f"step {step}: one delta per running request"
         assert all(len(d.item.token_ids) == 1 for d in out), f"step {step}: one token each"
         assert (0 in engine_loop.requests) == (step < 2), f"step {step}: drop it once finished"
-    assert engine_loop.requests == {} and engine_loop.fan_out() == []
+    assert engine_loop.requests == {}, f"finished requests still tracked: {engine_loop.requests}"
+    assert engine_loop.fan_out() == [], "fan_out after everything finished must deliver nothing"
 
 
 def test_task_2_a_waiting_request_gets_no_delivery(impl, tiny_llama_folder, idle_loop):
@@ -213,7 +243,7 @@ def test_task_2_a_waiting_request_gets_no_delivery(impl, tiny_llama_folder, idle
     track(engine_loop, 1, list(range(20, 29)), greedy(3), idle_loop)  # 3 blocks: it must wait
     for step in range(1, 4):
         engine_loop.engine.step()
-        assert len(engine_loop.engine.scheduler.waiting) == 1
+        assert len(engine_loop.engine.scheduler.waiting) == 1, "request 1 waits for blocks"
         out = engine_loop.fan_out()
         assert [d.stream for d in out] == [first], f"step {step}: only the running request"
 
@@ -236,7 +266,11 @@ def count_steps(engine) -> list:
 def test_task_3_an_idle_engine_is_not_stepped(impl, tiny_llama_folder):
     engine_loop = impl.AsyncEngine(new_llm(tiny_llama_folder).engine)
     calls = count_steps(engine_loop.engine)
-    assert engine_loop.run_once([]) == [] and calls == []
+    out = engine_loop.run_once([])
+    assert out == [] and calls == [], (
+        f"run_once([]) on an idle engine stepped it {len(calls)} time(s) and returned {out}: "
+        "step only when engine.has_unfinished()"
+    )
 
 
 def test_task_3_commands_come_first_then_one_step_then_the_fan_out(
@@ -248,14 +282,29 @@ def test_task_3_commands_come_first_then_one_step_then_the_fan_out(
     out = engine_loop.run_once(
         [Add(a, [1, 2, 3], greedy(9)), Add(bad, [999], greedy(2)), Add(b, [4, 5], greedy(9))]
     )
-    assert len(calls) == 1, "one step per turn"
+    assert len(calls) == 1, (
+        f"run_once with three Adds stepped the engine {len(calls)} time(s); expected exactly one "
+        "step, after the commands are applied (stepped first, the engine has nothing queued yet)"
+    )
     assert [d.stream for d in out] == [a, bad, b, a, b], "commands' deliveries, then fan_out's"
-    assert isinstance(out[1].item, ValueError) and out[3].item.token_ids and out[4].item.token_ids
+    assert (
+        isinstance(out[1].item, ValueError) and out[3].item.token_ids and out[4].item.token_ids
+    ), (
+        f"deliveries {[d.item for d in out]}: the bad Add's ValueError second, then a first "
+        "token each for the two good requests"
+    )
     a_seq = engine_loop.requests[0].seq
     out = engine_loop.run_once([Abort(0)])
     assert a_seq not in calls[-1], "the abort must be applied before the next step"
-    assert [(d.stream, d.item.finish_reason) for d in out] == [(a, "abort"), (b, None)]
-    assert engine_loop.engine.manager.num_free_blocks == engine_loop.engine.manager.num_blocks - 1
+    got = [(d.stream.request_id, d.item.finish_reason) for d in out]
+    assert [(d.stream, d.item.finish_reason) for d in out] == [(a, "abort"), (b, None)], (
+        f"the turn with Abort(0) delivered (request, finish_reason) {got}; expected the abort "
+        "first, (0, 'abort'), then b's token, (1, None)"
+    )
+    manager = engine_loop.engine.manager
+    assert manager.num_free_blocks == manager.num_blocks - 1, (
+        f"{manager.num_blocks - manager.num_free_blocks} blocks held after the abort; only b's 1"
+    )
 
 
 # ---- task 4: the handoff between threads ----
@@ -319,7 +368,7 @@ def test_task_4_items_reach_a_waiting_stream_in_order_from_another_thread(impl, 
         items = [TokenDelta([]), TokenDelta([5]), TokenDelta([6], "length")]
         deliver_from_a_thread(engine_loop, [Delivery(stream, i) for i in items])
         got = await asyncio.wait_for(waiting, 2)
-        assert got == items
+        assert got == items, f"the stream received {got}, delivered {items} in that order"
 
     run_on_a_daemon_thread(main)
 
@@ -347,10 +396,13 @@ def test_task_4_one_wake_up_per_event_loop_and_each_stream_its_own_items(impl, t
             got = await asyncio.wait_for(
                 asyncio.gather(receive(mine[0], 2), receive(mine[1], 1)), 2
             )
-            assert got == [[TokenDelta([1]), TokenDelta([4])], [TokenDelta([3])]]
+            assert got == [[TokenDelta([1]), TokenDelta([4])], [TokenDelta([3])]], (
+                f"stream 0 received {got[0]} (want [1], [4]), stream 1 {got[1]} (want [3])"
+            )
             assert len(wakeups) == 1, f"{len(wakeups)} call_soon_threadsafe calls for one loop"
             theirs_got = asyncio.run_coroutine_threadsafe(receive(theirs, 1), other)
-            assert theirs_got.result(2) == [TokenDelta([2])]
+            theirs = theirs_got.result(2)
+            assert theirs == [TokenDelta([2])], f"the other loop's stream received {theirs}"
 
         run_on_a_daemon_thread(main)
     finally:
@@ -371,7 +423,8 @@ def test_task_4_a_closed_event_loop_is_skipped_without_raising(impl, tiny_llama_
             Delivery(alive, TokenDelta([2])),
         ]
         deliver_from_a_thread(engine_loop, deliveries)
-        assert await asyncio.wait_for(receive(alive, 1), 2) == [TokenDelta([2])]
+        got = await asyncio.wait_for(receive(alive, 1), 2)
+        assert got == [TokenDelta([2])], f"the live stream received {got}, not [TokenDelta([2])]"
 
     run_on_a_daemon_thread(main)
 
@@ -413,9 +466,13 @@ def test_task_5_generate_yields_queued_then_the_offline_tokens(impl, tiny_llama_
             asyncio.wait_for(collect(engine_loop.generate(PROMPTS[0], greedy(12))), TIMEOUT)
         )
     assert got[0] == TokenDelta([], None), "the first delta says: queued"
-    assert [t for delta in got for t in delta.token_ids] == want_ids
-    assert [delta.finish_reason for delta in got][-1] == want_reason
-    assert all(delta.finish_reason is None for delta in got[:-1])
+    ids = [t for delta in got for t in delta.token_ids]
+    assert ids == want_ids, tokens_message("generate", ids, want_ids)
+    reasons = [delta.finish_reason for delta in got]
+    assert reasons[-1] == want_reason, f"finish reasons {reasons}; the last must be {want_reason!r}"
+    assert all(delta.finish_reason is None for delta in got[:-1]), (
+        f"finish reasons {reasons}: only the last delta has one"
+    )
 
 
 def test_task_5_a_rejected_request_raises_and_the_loop_serves_on(impl, tiny_llama_folder):
@@ -427,7 +484,8 @@ def test_task_5_a_rejected_request_raises_and_the_loop_serves_on(impl, tiny_llam
             return await collect(engine_loop.generate([1, 2], greedy(3)))
 
         got = asyncio.run(asyncio.wait_for(main(), TIMEOUT))
-        assert sum(len(delta.token_ids) for delta in got) == 3
+        num_tokens = sum(len(delta.token_ids) for delta in got)
+        assert num_tokens == 3, f"the request after a rejected one got {num_tokens} tokens of 3"
         assert_idle(engine_loop.engine)
 
 
@@ -474,7 +532,13 @@ def test_task_5_a_cancelled_caller_aborts_its_request(impl, tiny_llama_folder):
             return received
 
         received = asyncio.run(asyncio.wait_for(main(), TIMEOUT))
-        assert len(received) < 41 and engine_loop.engine.num_steps < 30
+        num_steps = engine_loop.engine.num_steps
+        assert len(received) < 41 and num_steps < 30, (
+            f"the caller's task was cancelled after 3 deltas, yet it received {len(received)} "
+            f"deltas and the engine ran {num_steps} steps (fewer than 30 expected): the request "
+            "ran on towards its 40 tokens. Cancelling raises CancelledError at `await "
+            "stream.get()` in generate: abort the request in its finally"
+        )
         assert_idle(llm.engine)
 
 
@@ -512,10 +576,12 @@ def test_task_6_64_callers_a_quarter_hanging_up_get_their_tokens_and_leave_nothi
         got = asyncio.run(asyncio.wait_for(main(), TIMEOUT))
         for i, (ids, (want_ids, _)) in enumerate(zip(got, want)):
             expected = want_ids[: len(ids)] if i in quitters else want_ids
-            assert ids == expected, f"caller {i}"
+            who = f"caller {i}" + (" (it hung up)" if i in quitters else "")
+            assert ids == expected, tokens_message(who, ids, expected)
         assert engine_loop.requests == {}, "every request leaves the loop's table"
         assert_idle(llm.engine)
-    assert not [t for t in threading.enumerate() if t.name == "nanoserve-engine-loop"]
+    left = [t for t in threading.enumerate() if t.name == "nanoserve-engine-loop"]
+    assert not left, f"{len(left)} loop thread(s) still alive after shutdown()"
 
 
 def test_task_6_the_openai_client_gets_the_offline_tokens_from_your_loop(impl, tiny_llama_folder):
@@ -539,6 +605,9 @@ def test_task_6_the_openai_client_gets_the_offline_tokens_from_your_loop(impl, t
         chunks = list(client.completions.create(stream=True, **request))
         whole = client.completions.create(**request)
     streamed = [t for c in chunks for t in c.choices[0].model_extra["token_ids"]]
-    assert streamed == want_ids and chunks[-1].choices[0].finish_reason == want_reason
-    assert whole.choices[0].model_extra["token_ids"] == want_ids
+    assert streamed == want_ids, tokens_message("the streamed completion", streamed, want_ids)
+    reason = chunks[-1].choices[0].finish_reason
+    assert reason == want_reason, f"the stream ended with finish_reason {reason!r}"
+    whole_ids = whole.choices[0].model_extra["token_ids"]
+    assert whole_ids == want_ids, tokens_message("the whole completion", whole_ids, want_ids)
     assert_idle(llm.engine)

@@ -104,6 +104,19 @@ def check_triton_runs_on(device: torch.device) -> None:
         )
 
 
+FLASH_ATTN_PAGE_MULTIPLE = 256  # flash-attn 2 refuses paged KV in blocks of any other size
+
+
+def check_block_size(backend: str, block_size: int) -> None:
+    """ValueError unless `backend` can read the pool in blocks of block_size tokens."""
+    if backend == "flash_attn" and block_size % FLASH_ATTN_PAGE_MULTIPLE:
+        raise ValueError(
+            f"attention_backend 'flash_attn' reads the pool through flash-attn's paged KV, which "
+            f"needs block_size to be a multiple of {FLASH_ATTN_PAGE_MULTIPLE}; got {block_size}: "
+            f"pass block_size={FLASH_ATTN_PAGE_MULTIPLE} or attention_backend='triton'"
+        )
+
+
 def log_choice(choice: BackendChoice) -> None:
     """Say once per engine which backend runs and why."""
     logger.info("attention backend: %s (%s)", choice.name, choice.reason)

@@ -16,14 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoserve.layers.linear import check_shape
-from nanoserve.layers.tensor_parallel import (
-    ONE_RANK,
-    TensorParallel,
-    all_reduce,
-    gather_on_first,
-    padded_shard_range,
-)
+from nanoserve.layers.shards import padded_shard_range
+from nanoserve.layers.tensor_parallel import ONE_RANK, TensorParallel, all_reduce, gather_on_first
+from nanoserve.layers.weight_loader import check_shape
 
 
 class VocabParallelEmbedding(nn.Module):

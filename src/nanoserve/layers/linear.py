@@ -18,24 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoserve.layers.tensor_parallel import ONE_RANK, TensorParallel, all_reduce, shard_range
-
-
-def full_shape(loaded) -> tuple[int, ...]:
-    """The shape of a checkpoint tensor: a torch tensor, or a safetensors slice not yet read."""
-    return tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())
-
-
-def check_shape(loaded, expected: tuple[int, ...]) -> None:
-    """ValueError when the checkpoint tensor is not the whole (unsharded) shape we expect."""
-    if full_shape(loaded) != tuple(expected):
-        raise ValueError(f"expected shape {tuple(expected)}, found {full_shape(loaded)}")
-
-
-def default_weight_loader(param: torch.Tensor, loaded) -> None:
-    """Copy a whole checkpoint tensor into param (norm scales, anything replicated)."""
-    check_shape(loaded, param.shape)
-    param.data.copy_(loaded[:])  # [:] reads a safetensors slice whole; .data: no autograd
+from nanoserve.layers.shards import shard_range
+from nanoserve.layers.tensor_parallel import ONE_RANK, TensorParallel, all_reduce
+from nanoserve.layers.weight_loader import check_shape, default_weight_loader
 
 
 class ColumnParallelLinear(nn.Module):

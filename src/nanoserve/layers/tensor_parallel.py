@@ -1,7 +1,7 @@
-"""Tensor parallelism's arithmetic and its three collectives, for the sharded layers.
+"""Tensor parallelism's rank and size, and its three collectives, for the sharded layers.
 
-Introduced in stage 09. `TensorParallel(rank, size)` says which slice of every weight this
-process holds; `shard_range` is the one rule for cutting a dimension into equal slices. The
+Introduced in stage 09, given to the learner (the shard arithmetic they write is `shards.py`).
+`TensorParallel(rank, size)` says which slice of every weight this process holds. The
 collectives run on torch.distributed's default group (gloo on a CPU, NCCL on GPUs), which
 `parallel/` sets up; at size 1 each is the identity and touches no process group at all, so one
 rank pays nothing. It starts no processes and knows nothing of the engine.
@@ -36,31 +36,6 @@ class TensorParallel(NamedTuple):
 
 
 ONE_RANK = TensorParallel()  # one process holding every weight whole: the default everywhere
-
-
-def shard_range(total: int, rank: int, size: int) -> tuple[int, int]:
-    """[start, end) of rank's equal slice of total items; ValueError if size does not divide it.
-
-    12 items over 2 ranks: rank 0 owns 0..5, rank 1 owns 6..11 -> (0, 6) and (6, 12).
-    """
-    if not 0 <= rank < size:
-        raise ValueError(f"rank {rank} is not in 0..{size - 1}")
-    if total % size:
-        raise ValueError(f"{total} items do not split evenly over {size} ranks")
-    share = total // size
-    return rank * share, (rank + 1) * share
-
-
-def padded_shard_range(total: int, rank: int, size: int) -> tuple[int, int, int]:
-    """(start, end, rows) for a dimension that need not divide: every rank holds `rows` =
-    ceil(total / size) rows, of which [start, end) are real and the rest is zero padding.
-
-    A vocabulary of 5 over 2 ranks: rank 0 holds ids 0..2, rank 1 ids 3..4 plus one padding row
-    -> (0, 3, 3) and (3, 5, 3).
-    """
-    rows = -(-total // size)
-    start = min(total, rank * rows)
-    return start, min(total, start + rows), rows
 
 
 def all_reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:

@@ -13,8 +13,8 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-from nanoserve.layers.linear import default_weight_loader
 from nanoserve.layers.tensor_parallel import ONE_RANK, TensorParallel
+from nanoserve.layers.weight_loader import default_weight_loader
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.decoder import CausalLM
 

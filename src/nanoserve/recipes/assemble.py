@@ -20,7 +20,12 @@ from nanoserve.engine.cuda_graphs import DecodeGraphs, table_width
 from nanoserve.engine.kv_manager import KVCacheManager
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.model_runner import ModelRunner, StepFanout, warmup_peak_bytes
-from nanoserve.kernels.backend import BackendChoice, log_choice, select_attention_backend
+from nanoserve.kernels.backend import (
+    BackendChoice,
+    check_block_size,
+    log_choice,
+    select_attention_backend,
+)
 from nanoserve.layers.compiled import fuse_small_ops
 from nanoserve.layers.tensor_parallel import TensorParallel, min_over_ranks
 from nanoserve.models.decoder import CausalLM
@@ -77,6 +82,7 @@ def build_runner(
     recipe = recipe_for(stage)
     choice = select_attention_backend(config.attention_backend, spec.device, recipe.backends)
     parts = checked_components(stage, recipe, components, choice.name)  # before slow loading
+    check_block_size(choice.name, config.block_size)
     if model is None:
         tp = TensorParallel(spec.tp_rank, spec.tp_size)
         model = load_model(spec.source, spec.device, spec.dtype, tp)
@@ -154,8 +160,8 @@ def capture_decode_graphs(
         why_eager = f"on {built.cache.device.type} there is nothing to capture: stage 08 runs as 07"
     elif config.enforce_eager:
         why_eager = "enforce_eager=True"
-    elif backend != "triton":
-        why_eager = f"the {backend} backend's store is not capturable (use triton)"
+    elif backend not in ("triton", "flash_attn"):
+        why_eager = f"the {backend} backend's store is not capturable (use triton or flash_attn)"
     if why_eager is not None:
         logger.info("CUDA graphs off: %s", why_eager)
         return None

@@ -17,10 +17,15 @@ from nanoserve.recipes.recipe import EngineParts, Recipe, Sizing
 
 
 def kernel_attention(pool: PagedKVPool, backend: str, parts: dict) -> AttentionBackend:
-    """Triton stores and reads pages in place (prefill and split-K decode); or stage 04's torch
-    path when backend is "torch". Triton is imported only for the triton backend."""
+    """Triton stores and reads pages in place (prefill and split-K decode); or flash-attn reads
+    them (stage 07 on, when installed); or stage 04's torch path when backend is "torch". Triton
+    and flash-attn are imported only for the backend that needs them."""
     if backend == "torch":
         return TorchPagedAttention(pool)
+    if backend == "flash_attn":
+        from nanoserve.kernels.flash_attn_backend import FlashAttnBackend
+
+        return FlashAttnBackend(pool)
     from nanoserve.kernels.paged_decode import paged_attention_decode
     from nanoserve.kernels.paged_prefill import paged_attention_prefill
     from nanoserve.kernels.store import store_kvcache

@@ -1,7 +1,7 @@
 """Stage 04's engine: one paged pool, lazy block growth with preemption, torch store and gather.
 
-Later stages keep this pool and manager and change the pieces around them, so `build_pool` and
-`torch_attention` are shared with them.
+Later stages keep this pool and change the pieces around it, so `build_pool` is shared with them
+(and `TorchPagedAttention` stays their torch path).
 """
 
 from __future__ import annotations

@@ -20,4 +20,5 @@ def build(config: EngineConfig, sizing: Sizing, parts: dict, backend: str) -> En
     return EngineParts(manager, pool, packer, kernel_attention(pool, backend, {}))
 
 
-RECIPE = Recipe(build, parts=("PrefixBlockManager",), backends=("triton", "torch"))
+# flash_attn is offered but never the default: "auto" takes triton, the first importable
+RECIPE = Recipe(build, parts=("PrefixBlockManager",), backends=("triton", "flash_attn", "torch"))

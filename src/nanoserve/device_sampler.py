@@ -1,0 +1,124 @@
+"""The device sampler: every row's next token drawn on the device, with no host loop and no sync.
+
+Written for stage 11 (overlap scheduling), where step N + 1 is launched before step N's tokens
+reach the host, so sampling must be one batch of tensor ops over per-row tensors. It does what
+`sampling.Sampler` does (greedy, temperature, top-k, top-p, per-request seeds) by another route:
+
+    Gumbel-max:  argmax_i (logits_i / T + g_i),  g_i = -log(-log(u_i)),  u_i ~ U(0, 1)
+                 picks token i with probability softmax(logits / T)_i, exactly.
+
+    counter-based randomness:  u_i = hash(seed, position, i)      (no generator state at all)
+        row r, position p:  key = mix(seed_r ^ mix(p))    then  u_i = to_unit(mix(key + i * G))
+
+So a seeded request's draw depends on its seed, the position of the token it samples and
+nothing else: the same tokens whatever else is in its batch and however the batch is split.
+Greedy rows (temperature 0, or top_k 1) take the argmax, the same token as `Sampler`. Seeded
+sampling is a new random stream: a seed gives other tokens here than under `Sampler`, drawn from
+the same distribution (tests/test_device_sampler.py checks it by chi-square). Unseeded rows use a
+seed the caller draws once per step. It does no penalties and no logprobs.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from nanoserve.sampling import SamplingParams
+
+# SplitMix64's constants, as signed 64-bit integers (torch has no uint64 arithmetic): a multiply
+# or add that overflows wraps around, exactly as the unsigned arithmetic it stands for.
+_GOLDEN = 0x9E3779B97F4A7C15 - 2**64
+_MIX_1 = 0xBF58476D1CE4E5B9 - 2**64
+_MIX_2 = 0x94D049BB133111EB - 2**64
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical shift of int64 bits (torch's >> copies the sign bit, unsigned >> does not)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def mix64(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finalizer on int64 tensors: every input bit flips about half the output bits."""
+    x = x + _GOLDEN
+    x = (x ^ _shift_right(x, 30)) * _MIX_1
+    x = (x ^ _shift_right(x, 27)) * _MIX_2
+    return x ^ _shift_right(x, 31)
+
+
+def uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(B, V) float32 in (0, 1): u[r, i] = hash(seeds[r], positions[r], i), fresh per position.
+
+    23 random bits each, centred in their bin: (n + 0.5) / 2**23 is exact in float32 (24
+    significant bits), so u is never 0 or 1 and both logs of the Gumbel noise stay finite (with
+    24 bits the top bin would round to 1.0: noise +inf). The noise then spans about [-2.8, 16.6].
+    """
+    keys = mix64(seeds ^ mix64(positions))  # (B,) one key per row and position
+    tokens = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    bits = _shift_right(mix64(keys[:, None] + tokens[None, :] * _GOLDEN), 41)  # the top 23 bits
+    return (bits.float() + 0.5) / 2.0**23
+
+
+class SamplingTensors(NamedTuple):
+    """One step's sampling parameters, one row per sequence, on the sampler's device.
+
+    temperature 0 is greedy; top_k 0 means no top-k; top_p 1 means no top-p.
+    """
+
+    temperature: torch.Tensor  # (B,) float32
+    top_k: torch.Tensor  # (B,) int64
+    top_p: torch.Tensor  # (B,) float32
+    seeds: torch.Tensor  # (B,) int64: the request's seed, or the step's seed when it has none
+    positions: torch.Tensor  # (B,) int64: the position of the token each row samples
+    filters: bool  # any row uses top-k or top-p (known on the host: no sync to find out)
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], positions: list[int], step_seed: int,
+           device) -> SamplingTensors:  # fmt: skip
+        """From host values, once per batch (stage 11 keeps them in per-row device tensors)."""
+        greedy = [p.is_greedy for p in params]
+        seeds = [_signed(p.seed if p.seed is not None else step_seed) for p in params]
+        return cls(
+            temperature=torch.tensor(
+                [0.0 if g else p.temperature for p, g in zip(params, greedy)], device=device
+            ),
+            top_k=torch.tensor([p.top_k or 0 for p in params], dtype=torch.int64, device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            filters=any(p.top_k is not None or p.top_p < 1.0 for p in params),
+        )
+
+
+def _signed(seed: int) -> int:
+    """A seed in [0, 2**64) as the int64 with the same bits."""
+    return seed - 2**64 if seed >= 2**63 else seed
+
+
+def filter_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """(B, V) True where a token survives top-k, then top-p on what top-k kept (as `filter_probs`).
+
+    Top-k keeps every token at least as likely as the k-th; top-p keeps the most likely tokens
+    until the mass before the next one reaches p (the token that crosses p stays).
+    """
+    probs, order = torch.softmax(scaled.float(), dim=-1).sort(dim=-1, descending=True)
+    vocab = probs.shape[-1]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)  # 0: every token
+    kth = probs.gather(1, (k - 1)[:, None])  # (B, 1) the k-th largest probability
+    probs = torch.where(probs >= kth, probs, 0.0)
+    mass_before = probs.cumsum(dim=-1) - probs
+    keep_sorted = (probs > 0) & (mass_before < top_p[:, None] * probs.sum(-1, keepdim=True))
+    return torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)
+
+
+def sample(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
+    """Next token ids (B,) int64 on logits' device; the host reads them when it needs them."""
+    greedy = tensors.temperature == 0
+    temperature = torch.where(greedy, 1.0, tensors.temperature)[:, None]
+    scaled = logits.float() / temperature
+    if tensors.filters:
+        scaled = scaled.masked_fill(~filter_mask(scaled, tensors.top_k, tensors.top_p), -torch.inf)
+    u = uniforms(tensors.seeds, tensors.positions, logits.shape[-1])
+    gumbel = -torch.log(-torch.log(u))
+    drawn = (scaled + gumbel).argmax(dim=-1)
+    return torch.where(greedy, logits.argmax(dim=-1), drawn)
