@@ -20,6 +20,15 @@ from nanoserve.kernels.backend import BACKEND_NAMES
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def threads_restored(monkeypatch):
+    """main() sets torch's threads and $OMP_NUM_THREADS for its process: undo it per test."""
+    before = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", str(before)))
+    yield
+    torch.set_num_threads(before)
+
+
 def parse(*argv: str):
     return build_parser().parse_args(list(argv))
 
