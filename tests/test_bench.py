@@ -218,3 +218,16 @@ def test_a_shared_prefix_replaces_the_start_of_every_prompt_and_keeps_the_rest()
     for before, after in zip(workload.prompt_token_ids, shared.prompt_token_ids):
         assert len(after) == len(before) and after[50:] == before[50:]
     assert shared.max_tokens == workload.max_tokens
+
+
+@pytest.mark.parametrize(
+    ("flag", "saves"), [("--enable-prefix-caching", True), ("--no-enable-prefix-caching", False)]
+)
+def test_bench_runs_stage_7_with_prefix_caching_on_or_off_as_asked(flag, saves, tmp_path):
+    out_file = tmp_path / "bench.json"
+    prefix = ["--shared-prefix", "8", "--block-size", "4", "--max-num-seqs", "1"]  # prompts 10+
+    argv = [*TINY_RUN, "--stage", "7", *prefix, flag]
+    assert run_bench(parse(*argv, "--json", str(out_file))) == 0
+    (result,) = strict_json(out_file.read_text())["results"]
+    prompt_tokens = sum(len(p) for p in make_workload(3, 24, 6).prompt_token_ids)
+    assert (result["prefill_tokens"] < prompt_tokens) == saves

@@ -20,6 +20,15 @@ from nanoserve.kernels.backend import BACKEND_NAMES
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def threads_restored(monkeypatch):
+    """main() sets torch's threads and $OMP_NUM_THREADS for its process: undo it per test."""
+    before = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", str(before)))
+    yield
+    torch.set_num_threads(before)
+
+
 def parse(*argv: str):
     return build_parser().parse_args(list(argv))
 
@@ -277,3 +286,18 @@ def test_threads_from_omp_num_threads_win_over_the_default(monkeypatch):
         assert apply_threads(parse("bench")) == 3
     finally:
         torch.set_num_threads(before)
+
+
+def test_ctrl_c_during_a_chat_reply_keeps_what_came_and_returns_to_the_prompt(capsys):
+    from nanoserve.cli import chat_reply
+
+    class Interrupted:
+        def apply_chat_template(self, history):
+            return "prompt"
+
+        def stream(self, prompt, params):
+            yield "Paris is"
+            raise KeyboardInterrupt
+
+    assert chat_reply(Interrupted(), [], None) == "Paris is"
+    assert capsys.readouterr().out == "Paris is [interrupted]\n"

@@ -14,14 +14,10 @@ import os
 import sys
 
 from nanoserve import __version__
-from nanoserve.bench.run import add_bench_parser
 from nanoserve.models.registry import DEFAULT_MODEL
-from nanoserve.options import (
-    add_engine_source_args,
-    apply_threads,
-    check_engine_flags,
-    engine_options,
-)
+
+# torch, the engine and the parser's helpers (which need both) are imported inside functions, so
+# that they load within main's Ctrl-C handler: importing this module is quick and quiet
 
 DEFAULT_QUESTION = "What is the capital of France? Answer in one sentence."
 EXIT_SIGINT, EXIT_SIGPIPE = 130, 141  # 128 + the signal's number, as a shell reports them
@@ -29,6 +25,8 @@ EXIT_SIGINT, EXIT_SIGPIPE = 130, 141  # 128 + the signal's number, as a shell re
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     """Options shared by the subcommands that generate: the engine's, and sampling."""
+    from nanoserve.options import add_engine_source_args
+
     parser.add_argument("--max-tokens", type=int, default=128, help="(default: %(default)s)")
     parser.add_argument(
         "--temperature", type=float, default=0.0, help="0 means greedy (default: %(default)s)"
@@ -53,6 +51,8 @@ class ModelArgument(argparse.Action):
 
 def add_serve_parser(subparsers) -> None:
     """`serve`: where to listen, who may ask, and the engine (sampling is per request)."""
+    from nanoserve.options import add_engine_source_args
+
     serve = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server")
     add_engine_source_args(serve, model_action=ModelArgument)
     serve.add_argument(
@@ -91,6 +91,8 @@ def add_serve_parser(subparsers) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
+    from nanoserve.bench.run import add_bench_parser
+
     parser = argparse.ArgumentParser(prog="nanoserve", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"nanoserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -125,6 +127,7 @@ def sampling_params(args):
 
 def check_flags(args) -> None:
     """The engine flags of generate, chat and serve, checked as bench checks them."""
+    from nanoserve.options import check_engine_flags
     from nanoserve.stages import latest_stage
 
     check_engine_flags(args, [latest_stage().number if args.stage is None else args.stage])
@@ -133,6 +136,7 @@ def check_flags(args) -> None:
 def make_llm(args):
     """An LLM for the chosen model, stage, device and dtype, its flags checked first."""
     from nanoserve.llm import LLM
+    from nanoserve.options import engine_options
 
     check_flags(args)
     return LLM(
@@ -221,6 +225,7 @@ def cmd_serve(args) -> int:
         llm = make_llm(args)
         app = create_app(llm, name, args.api_key, args.max_body_bytes)
     else:
+        from nanoserve.options import engine_options
         from nanoserve.serving.engine_process import EngineClient
 
         llm = EngineClient(
@@ -260,6 +265,8 @@ COMMANDS = {
 
 def run_command(args) -> int:
     """Run the parsed command; a bad argument is one line on stderr and status 2."""
+    from nanoserve.options import apply_threads
+
     try:
         if "threads" in vars(args):  # the commands that run an engine
             apply_threads(args)

@@ -157,7 +157,8 @@ class LLM:
         """Load `model` and build the engine as of `stage` (default: the newest).
 
         `components` replaces pieces of the stage's reference with your own, by their API names
-        (e.g. {"BlockTable": MyBlockTable}); `engine_options` are `EngineConfig` fields.
+        (e.g. {"BlockTable": MyBlockTable}); `engine_options` are `EngineConfig` fields
+        (`enable_prefix_caching=False` runs a stage 07+ engine without sharing prefix blocks).
         """
         self.stage = latest_stage() if stage is None else require_implemented(stage)
         self.device = resolve_device(device)
