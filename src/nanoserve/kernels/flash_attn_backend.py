@@ -1,11 +1,11 @@
 """The `flash_attn` attention backend: flash-attn 2's paged kernels over the pool, when installed.
 
-Offered from stage 07 (beside stage 06's Triton kernels), never chosen by "auto": the Triton store kernel writes this step's K/V by
-slot, then a prefill step runs `flash_attn_varlen_func` and a decode step `flash_attn_with_kvcache`,
-both reading each sequence's blocks through its block table, as nano-vLLM does. flash-attn's paged
-KV needs a block size that is a multiple of 256 (`backend.check_block_size`, run before the model
-loads). It imports flash_attn and triton, so only a recipe that chose it imports it; it is never
-required.
+Offered from stage 07 (beside stage 06's Triton kernels), never chosen by "auto": the Triton
+store kernel writes this step's K/V by slot, then a prefill step runs `flash_attn_varlen_func` and
+a decode step `flash_attn_with_kvcache`, both reading each sequence's blocks through its block
+table, as nano-vLLM does. flash-attn's paged KV needs a block size that is a multiple of 256
+(`backend.check_block_size`, run before the model loads). It imports flash_attn and triton, so
+only a recipe that chose it imports it; it is never required.
 """
 
 from __future__ import annotations
