@@ -80,8 +80,6 @@ def test_a_stages_learner_api_lives_in_its_reference_modules(stage):
 # those modules yet (engine/ and serving/ are being changed elsewhere); strict, so the marker
 # must go once it has.
 STARTERS_STILL_IMPORTING_FROM_THE_SOLUTION = {
-    4: "step_inputs_from_lists is given but lives in engine/input_packer.py, beside prepare_*",
-    8: "view_rows is given but lives in engine/cuda_graphs.py, beside fill_static",
     10: "EngineThread and put_all are given but sit in serving/async_engine.py, by AsyncEngine",
 }
 

@@ -138,6 +138,7 @@ STAGES: tuple[Stage, ...] = (
             "cache/paged.py",
             "kernels/torch_paged.py",
             "engine/input_packer.py",
+            "engine/step_tensors.py",
             "engine/block_manager.py",
             "recipes/paged_pool.py",
         ),
@@ -188,6 +189,7 @@ STAGES: tuple[Stage, ...] = (
         proven_equal_to="stage 07",
         reference_modules=(
             "engine/cuda_graphs.py",
+            "engine/graph_buffers.py",
             "engine/input_packer.py",
             "layers/compiled.py",
             "recipes/cuda_graphs.py",

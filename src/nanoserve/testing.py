@@ -135,7 +135,7 @@ class RerunGraph:
     views into the same output tensor. Like a graph, it reads only what the buffers hold."""
 
     def __init__(self, graphs, bucket: int):
-        from nanoserve.engine.cuda_graphs import view_rows
+        from nanoserve.engine.graph_buffers import view_rows
 
         self.model, self.attention = graphs.model, graphs.attention
         self.inputs = view_rows(graphs.static, bucket)

@@ -19,9 +19,10 @@ import time
 
 import torch
 
+from nanoserve.engine.graph_buffers import static_decode_inputs, view_rows
 from nanoserve.engine.input_packer import pad_decode
 from nanoserve.engine.kv_manager import blocks_for
-from nanoserve.types import AttentionMetadata, HostMetadata, StepInputs
+from nanoserve.types import StepInputs
 
 logger = logging.getLogger("nanoserve")
 
@@ -41,37 +42,6 @@ def bucket_for(batch_size: int, buckets: list[int]) -> int | None:
 def table_width(max_model_len: int, block_size: int) -> int:
     """Block-table columns a sequence of max_model_len tokens can need (its last token included)."""
     return blocks_for(max_model_len, block_size)
-
-
-def static_decode_inputs(max_batch: int, width: int, device) -> StepInputs:
-    """Zeroed decode inputs of the largest bucket: what every graph reads (and padding means)."""
-    zeros = dict(dtype=torch.int64, device=device)
-    ints = dict(dtype=torch.int32, device=device)
-    metadata = AttentionMetadata(
-        is_prefill=False,
-        cu_seqlens_q=torch.arange(max_batch + 1, **ints),
-        cu_seqlens_k=torch.zeros(max_batch + 1, **ints),
-        max_seqlen_q=1,
-        max_seqlen_k=0,  # not read by decode kernels; they loop to each row's context_lens
-        slot_mapping=torch.full((max_batch,), -1, **zeros),  # -1: padding rows write nothing
-        context_lens=torch.zeros(max_batch, **ints),  # 0: padding rows read nothing
-        block_tables=torch.full((max_batch, width), -1, **ints),
-        host=HostMetadata([], [], []),  # graphs never read host lists
-    )
-    return StepInputs(torch.zeros(max_batch, **zeros), torch.zeros(max_batch, **zeros), metadata)
-
-
-def view_rows(static: StepInputs, rows: int) -> StepInputs:
-    """The first `rows` rows of the static buffers (views: a graph records their addresses)."""
-    md = static.metadata
-    metadata = md._replace(
-        cu_seqlens_q=md.cu_seqlens_q[: rows + 1],
-        cu_seqlens_k=md.cu_seqlens_k[: rows + 1],
-        slot_mapping=md.slot_mapping[:rows],
-        context_lens=md.context_lens[:rows],
-        block_tables=md.block_tables[:rows],
-    )
-    return StepInputs(static.input_ids[:rows], static.positions[:rows], metadata)
 
 
 def fill_static(static: StepInputs, step: StepInputs) -> None:

@@ -15,14 +15,10 @@ Seed trace, block_size 4, prompt A of 11 tokens with table [0, 1, 2]: prefill sl
 
 from __future__ import annotations
 
-import itertools
-
-import numpy as np
 import torch
 
+from nanoserve.engine.step_tensors import step_inputs_from_lists
 from nanoserve.types import (
-    AttentionMetadata,
-    HostMetadata,
     ScheduledBatch,
     Sequence,
     StepInputs,
@@ -157,54 +153,6 @@ def pad_decode(step: StepInputs, batch_size: int, table_width: int) -> StepInput
     return StepInputs(
         grow(step.input_ids, 0, batch_size), grow(step.positions, 0, batch_size), metadata
     )
-
-
-def step_inputs_from_lists(
-    is_prefill: bool,
-    input_ids: list[int],
-    positions: list[int],
-    slot_mapping: list[int],
-    cu_seqlens_q: list[int],
-    cu_seqlens_k: list[int],
-    context_lens: list[int],
-    block_tables: list[list[int]],
-    device,
-) -> StepInputs:
-    """StepInputs from plain lists: tensors in the engine's dtypes, tables padded with -1."""
-
-    def as_tensor(values, dtype=np.int64) -> torch.Tensor:
-        return to_device(np.asarray(values, dtype=dtype), device)
-
-    lens_q = [e - s for s, e in itertools.pairwise(cu_seqlens_q)]
-    metadata = AttentionMetadata(
-        is_prefill=is_prefill,
-        cu_seqlens_q=as_tensor(cu_seqlens_q, np.int32),
-        cu_seqlens_k=as_tensor(cu_seqlens_k, np.int32),
-        max_seqlen_q=max(lens_q, default=0),
-        max_seqlen_k=max(context_lens, default=0),
-        slot_mapping=as_tensor(slot_mapping),
-        context_lens=as_tensor(context_lens, np.int32),
-        block_tables=to_device(padded_tables(block_tables), device),
-        host=HostMetadata(list(cu_seqlens_q), list(context_lens), [list(t) for t in block_tables]),
-    )
-    return StepInputs(as_tensor(input_ids), as_tensor(positions), metadata)
-
-
-def padded_tables(block_tables: list[list[int]]) -> np.ndarray:
-    """(B, longest) int32, row i = block_tables[i] then -1s; one vectorized fill, no row loop."""
-    lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
-    width = int(lens.max(initial=0))
-    out = np.full((len(block_tables), width), -1, dtype=np.int32)
-    out[np.arange(width) < lens[:, None]] = list(itertools.chain.from_iterable(block_tables))
-    return out
-
-
-def to_device(array: np.ndarray, device) -> torch.Tensor:
-    """A host array on device; to a GPU through pinned memory, without waiting for the copy."""
-    tensor = torch.from_numpy(array)
-    if torch.device(device).type != "cuda":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def no_table(seq: Sequence) -> list[int]:
