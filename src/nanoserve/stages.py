@@ -227,6 +227,7 @@ STAGES: tuple[Stage, ...] = (
         proven_equal_to="stage 09 (served tokens equal offline ones)",
         reference_modules=(
             "serving/async_engine.py",
+            "serving/engine_thread.py",
             "serving/request_stream.py",
             "serving/server.py",
             "serving/generation.py",

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from nanoserve.sampling import SamplingParams
-from nanoserve.serving.async_engine import EngineThread, put_all  # noqa: F401  (given)
+from nanoserve.serving.engine_thread import EngineThread, put_all  # noqa: F401  (given)
 from nanoserve.serving.request_stream import (  # noqa: F401  (given: the messages)
     Abort,
     Add,
@@ -30,7 +30,7 @@ from nanoserve.serving.request_stream import (  # noqa: F401  (given: the messag
     TokenDelta,
 )
 
-# Given (nanoserve/serving/async_engine.py, EngineThread): `self.engine` (an LLMEngine),
+# Given (nanoserve/serving/engine_thread.py, EngineThread): `self.engine` (an LLMEngine),
 # `self.requests` (request_id -> Request(seq, stream, num_sent), yours to keep), `start()`,
 # `shutdown()`, `add_request(ids, params) -> RequestStream` and `abort(request_id)` (both put a
 # command on the queue and return at once), and the thread body that takes every queued command,

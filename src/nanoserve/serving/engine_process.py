@@ -30,7 +30,8 @@ from typing import NamedTuple
 
 from nanoserve.child_process import ChildDied, ChildProcess, Ready, Stop, stop_all
 from nanoserve.sampling import SamplingParams
-from nanoserve.serving.async_engine import _STOP, AsyncEngine, EngineError
+from nanoserve.serving.async_engine import AsyncEngine
+from nanoserve.serving.engine_thread import _STOP, EngineError
 from nanoserve.serving.request_stream import Add, Delivery, EngineStats, RequestStream
 
 logger = logging.getLogger("nanoserve")

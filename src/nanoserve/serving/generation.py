@@ -18,7 +18,8 @@ from typing import cast
 
 from nanoserve.sampling import SamplingParams
 from nanoserve.serving import protocol
-from nanoserve.serving.async_engine import AsyncEngine, EngineError
+from nanoserve.serving.async_engine import AsyncEngine
+from nanoserve.serving.engine_thread import EngineError
 from nanoserve.serving.metrics import Metrics
 from nanoserve.serving.protocol import APIError
 from nanoserve.serving.text import TextStream
