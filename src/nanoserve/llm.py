@@ -7,33 +7,28 @@ the mechanism lives in `nanoserve.engine`, `nanoserve.cache` and `nanoserve.kern
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-import torch
 from tqdm import tqdm
 
 from nanoserve.config import engine_config_for
-from nanoserve.engine.block_manager import BlockManager
+from nanoserve.llm_arguments import (
+    chat_prompt,
+    checked_conversations,
+    checked_ids,
+    prefix_caching_components,
+    resolve_device,
+    resolve_dtype,
+)
 from nanoserve.models.loader import load_model_config, load_tokenizer, model_source
 from nanoserve.models.registry import DEFAULT_MODEL
 from nanoserve.parallel.group import start_engine
-from nanoserve.recipes.assemble import build_engine, recipe_for
+from nanoserve.recipes.assemble import build_engine
 from nanoserve.sampling import SamplingParams
-from nanoserve.stages import implemented_stages, latest_stage, require_implemented
+from nanoserve.stages import latest_stage, require_implemented
 from nanoserve.types import ModelSpec
 from nanoserve.types import Sequence as Seq
-
-DTYPES = {
-    "half": torch.float16,  # vLLM's and torch's other names: half and float
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float": torch.float32,
-    "float32": torch.float32,
-    "float64": torch.float64,
-}
-DTYPE_NAMES = ("auto", *DTYPES)  # auto: the device's default, as dtype=None
 
 
 @dataclass
@@ -45,101 +40,6 @@ class RequestOutput:
     text: str
     token_ids: list[int]
     finish_reason: str  # "stop" (EOS or a stop token) or "length" (max_tokens, max_model_len)
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """cuda when available, else cpu, unless one is named."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device {device!r} is not a torch device; expected cpu or cuda") from None
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} was asked for, but torch sees no CUDA GPU here")
-    return resolved
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """bfloat16 on cuda and float32 on cpu, unless one is named ("auto" names none)."""
-    if dtype is None or dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
-        return dtype
-    if dtype in DTYPES:
-        return DTYPES[dtype]
-    raise ValueError(f"dtype {dtype!r} is not supported; expected one of {', '.join(DTYPE_NAMES)}")
-
-
-PREFIX_PART = "PrefixBlockManager"  # the part a recipe with a prefix cache builds its manager from
-
-
-def prefix_caching_components(stage: int, enable: bool | None, components: dict | None):
-    """The components that give `stage` the prefix caching asked for (None: the stage's own).
-
-    False, from stage 07 on, puts stage 04's BlockManager where the PrefixBlockManager goes: the
-    same pool and kernels, no sharing. True before stage 07 is a ValueError: there is no prefix
-    cache to turn on.
-    """
-    has_cache = PREFIX_PART in recipe_for(stage).parts
-    if enable and not has_cache:
-        first = next(
-            s.number for s in implemented_stages() if PREFIX_PART in recipe_for(s.number).parts
-        )
-        raise ValueError(
-            f"enable_prefix_caching=True needs stage {first} or later (the prefix cache); stage "
-            f"{stage}'s engine has none: pick a later stage or leave enable_prefix_caching unset"
-        )
-    if enable is not False or not has_cache:
-        return components
-    if PREFIX_PART in (components or {}):
-        raise ValueError(
-            f"enable_prefix_caching=False builds no {PREFIX_PART}, so yours would go unused: "
-            "leave enable_prefix_caching unset to run it"
-        )
-    return {**(components or {}), PREFIX_PART: BlockManager}
-
-
-def checked_ids(prompt, index: int) -> list[int]:
-    """A prompt given as token ids, as a list of Python ints; ValueError naming a bad entry."""
-    for position, token_id in enumerate(prompt):
-        if isinstance(token_id, bool) or not isinstance(token_id, (int, numbers.Integral)):
-            raise ValueError(
-                f"prompts[{index}][{position}] is {token_id!r}; token ids must be ints"
-            )
-    return [int(t) for t in prompt]
-
-
-def checked_conversations(messages) -> list[list[dict]]:
-    """`chat`'s messages as a list of conversations; ValueError naming the part that is wrong."""
-    expected = 'expected a list of {"role": ..., "content": ...} dicts, or a list of such lists'
-    if not isinstance(messages, list):
-        raise ValueError(f"messages is {article(messages)}; {expected}")
-    if not messages:
-        raise ValueError(f"messages is empty; {expected}")
-    one = isinstance(messages[0], dict)
-    conversations = [messages] if one else messages
-    for i, conversation in enumerate(conversations):
-        where = "messages" if one else f"messages[{i}]"
-        if not isinstance(conversation, list):
-            raise ValueError(f"{where} is {article(conversation)}; {expected}")
-        if not conversation:
-            raise ValueError(f"{where} is empty; {expected}")
-        for j, message in enumerate(conversation):
-            if not isinstance(message, dict):
-                raise ValueError(f"{where}[{j}] is {article(message)}; expected a dict")
-    return conversations
-
-
-def article(value) -> str:
-    """ "a str", "an int", "a NoneType": what a value is, for an error message."""
-    name = type(value).__name__
-    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
-
-
-def chat_prompt(tokenizer, conversation: list[dict]) -> str:
-    """The prompt text for a conversation, ending where the assistant's turn begins."""
-    return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
 
 
 class LLM:

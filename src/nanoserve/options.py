@@ -20,7 +20,12 @@ import torch
 
 from nanoserve.config import EngineConfig, InvalidOption, engine_config_for
 from nanoserve.kernels.backend import BACKEND_NAMES
-from nanoserve.llm import DTYPE_NAMES, prefix_caching_components, resolve_device, resolve_dtype
+from nanoserve.llm_arguments import (
+    DTYPE_NAMES,
+    prefix_caching_components,
+    resolve_device,
+    resolve_dtype,
+)
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.loader import load_model_config, model_source
 from nanoserve.models.registry import DEFAULT_MODEL

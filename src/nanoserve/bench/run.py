@@ -112,7 +112,7 @@ def drive(engine, prompts: list[list[int]], params: list) -> list:
 def run_nanoserve(spec, model, stage: int, config: EngineConfig, workload: Workload) -> BenchResult:
     """Build the stage's engine on `model`, warm it up, and time the whole workload."""
     from nanoserve.layers.compiled import unfuse_small_ops
-    from nanoserve.llm import prefix_caching_components
+    from nanoserve.llm_arguments import prefix_caching_components
     from nanoserve.parallel.group import start_engine
     from nanoserve.recipes.assemble import build_engine, recipe_for
     from nanoserve.sampling import SamplingParams

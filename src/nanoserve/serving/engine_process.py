@@ -128,7 +128,7 @@ class EngineClient:
         AsyncEngine.deliver(self, deliveries)  # type: ignore[arg-type]
 
     def apply_chat_template(self, conversation: list[dict]) -> str:
-        from nanoserve.llm import chat_prompt
+        from nanoserve.llm_arguments import chat_prompt
 
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer; pass prompts as lists of token ids")
