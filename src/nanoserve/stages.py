@@ -239,6 +239,23 @@ STAGES: tuple[Stage, ...] = (
             "recipes/serving.py",
         ),
     ),
+    Stage(
+        number=11,
+        stem="11_overlap",
+        title="Overlap scheduling",
+        summary="batch state on the device by row, sampling on the device, step N + 1 scheduled "
+        "and launched while step N runs",
+        oracle=9,
+        proven_equal_to="stage 09 (greedy; seeded sampling is a new stream, checked by chi-square)",
+        reference_modules=(
+            "engine/persistent_batch.py",
+            "engine/overlap_runner.py",
+            "engine/overlap_engine.py",
+            "device_sampler.py",
+            "recipes/overlap.py",
+        ),
+        has_notebook=True,
+    ),
 )
 
 

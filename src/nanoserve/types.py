@@ -48,9 +48,11 @@ class Sequence:
         self.slab_id: int | None = None  # stage 01: the contiguous slab this sequence owns
         self.block_table: list[int] = []  # stage 03+: physical block ids, in logical order
         self.num_preemptions = 0
+        self.num_pending = 0  # stage 11: tokens sampled on the device, not yet seen by the host
 
     def __len__(self) -> int:
-        return len(self.token_ids)
+        """Every token of the sequence, counting one the device sampled and the host awaits."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def last_token_id(self) -> int:
@@ -143,6 +145,8 @@ class StepMessage(NamedTuple):
     is_prefill: bool
     rows: list[StepRow]  # one per sequence of the batch, in batch order
     num_seqs: int
+    ids_from_first_rank: bool = False  # stage 11: the rows' token ids are placeholders; rank 0
+    # broadcasts the real ones (sampled on its device, never seen by the host) inside the step
 
 
 class StepInputs(NamedTuple):

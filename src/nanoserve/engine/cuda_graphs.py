@@ -107,5 +107,14 @@ class DecodeGraphs:
         if bucket is None:
             raise ValueError(f"no captured bucket holds {num_seqs} sequences; ask can_replay first")
         fill_static(self.static, pad_decode(step, bucket, self.width))  # padding rows included
+        return self.replay_filled(num_seqs)
+
+    def replay_filled(self, num_seqs: int) -> torch.Tensor:
+        """Hidden states (num_seqs, hidden) by replaying the bucket of num_seqs over the static
+        buffers as they are: whoever calls it has written the bucket's rows (stage 11 writes
+        them on the device, from its persistent batch)."""
+        bucket = bucket_for(num_seqs, self.buckets)
+        if bucket is None:
+            raise ValueError(f"no captured bucket holds {num_seqs} sequences")
         self.graphs[bucket].replay()
         return self.outputs[bucket][:num_seqs]

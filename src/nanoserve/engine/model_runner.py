@@ -16,6 +16,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
 
 from nanoserve.cache.kv_cache import KVCache
 from nanoserve.config import EngineConfig
@@ -99,8 +100,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, message: StepMessage) -> None:
-        """A tensor-parallel worker's step: pack rank 0's rows as rank 0 did, run the forward."""
-        self.forward(self.packer.prepare_rows(message), self.attention, message.num_seqs)
+        """A tensor-parallel worker's step: pack rank 0's rows as rank 0 did, run the forward.
+
+        Stage 11 sends decode rows without their token ids (rank 0's host has not seen them):
+        rank 0 broadcasts them from its device first.
+        """
+        inputs = self.packer.prepare_rows(message)
+        if message.ids_from_first_rank:
+            dist.broadcast(inputs.input_ids, src=0)
+        self.forward(inputs, self.attention, message.num_seqs)
 
     def forward(self, inputs: StepInputs, attention, num_seqs: int) -> torch.Tensor | None:
         """Logits (num_seqs, vocab) at the last packed row of each of the first num_seqs (on a

@@ -20,6 +20,9 @@ from nanoserve.engine.cuda_graphs import DecodeGraphs, table_width
 from nanoserve.engine.kv_manager import KVCacheManager
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.model_runner import ModelRunner, StepFanout, warmup_peak_bytes
+from nanoserve.engine.overlap_engine import OverlapEngine
+from nanoserve.engine.overlap_runner import OverlapRunner
+from nanoserve.engine.persistent_batch import PersistentBatch
 from nanoserve.kernels.backend import (
     BackendChoice,
     check_block_size,
@@ -66,7 +69,8 @@ def build_engine(
     are the other tensor-parallel ranks, already started (stage 09, rank 0 of several).
     """
     runner, manager, choice = build_runner(stage, config, spec, components, model, workers)
-    return LLMEngine(config, runner, manager, eos_ids, choice)
+    engine = OverlapEngine if recipe_for(stage).overlaps else LLMEngine
+    return engine(config, runner, manager, eos_ids, choice)
 
 
 def build_runner(
@@ -98,7 +102,13 @@ def build_runner(
     graphs = None
     if recipe.captures_decode:
         graphs = capture_decode_graphs(model, built, config, choice.name)
-    runner = ModelRunner(model, built.cache, built.attention, built.packer, graphs, workers)
+    parts_of_runner = (model, built.cache, built.attention, built.packer, graphs, workers)
+    if recipe.overlaps:
+        width = table_width(config.max_model_len, config.block_size)
+        state = PersistentBatch(config.max_num_seqs, width, config.block_size, spec.device)
+        runner: ModelRunner = OverlapRunner(*parts_of_runner, state=state)
+    else:
+        runner = ModelRunner(*parts_of_runner)
     return BuiltRunner(runner, built.manager, choice)
 
 

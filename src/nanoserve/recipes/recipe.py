@@ -78,3 +78,4 @@ class Recipe:
     parts_run_on: str | None = None  # the one backend that runs the parts (None: every one)
     captures_decode: bool = False  # stage 08: decode steps replay CUDA graphs (on a GPU)
     shards_model: bool = False  # stage 09: the model may span tensor_parallel_size processes
+    overlaps: bool = False  # stage 11: batch state on the device, step N + 1 launched before N ends
