@@ -171,3 +171,36 @@ def test_qwen3_shape_bf16_flash_attn_matches_triton_on_cuda_up_to_top5(prompts, 
     got_out = got.generate(ids, params, use_tqdm=False)
     for prompt, a, b in zip(ids, ref_out, got_out):
         assert_same_up_to_top5_divergence(ref, got, prompt, a.token_ids, b.token_ids)
+
+
+# ---- stage 11: the overlap loop on the device ----
+
+
+@pytest.mark.parametrize("backend", ["triton", "flash_attn"])
+def test_qwen3_shape_bf16_stage11_matches_stage9_on_cuda_up_to_top5(backend):
+    if backend == "flash_attn":
+        pytest.importorskip("flash_attn", reason="flash-attn is not installed (it is optional)")
+    options = dict(dtype="bfloat16", max_num_seqs=16, max_model_len=1024, block_size=256)
+    options.update(attention_backend=backend, num_kv_blocks=64)
+    ref = LLM("qwen3-0.6b", stage=9, **options)
+    got = LLM("qwen3-0.6b", stage=11, **options)
+    assert got.engine.runner.graphs is not None, "stage 11 on CUDA replays decode graphs"
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    ids = [[(13 * i + 7 * j) % 10000 for j in range(20 + 41 * i)] for i in range(20)]
+    ref_out = ref.generate(ids, params, use_tqdm=False)
+    got_out = got.generate(ids, params, use_tqdm=False)
+    for prompt, a, b in zip(ids, ref_out, got_out):
+        assert len(b.token_ids) == 40
+        assert_same_up_to_top5_divergence(ref, got, prompt, a.token_ids, b.token_ids)
+
+
+def test_stage11_seeded_tokens_on_cuda_ignore_the_batch_around_them():
+    llm = LLM("qwen3-0.6b", stage=11, dtype="float32", max_num_seqs=16, num_kv_blocks=256)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=24, ignore_eos=True)
+    other = SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True)
+    prompt = [(7 * j) % 10000 for j in range(50)]
+    alone = llm.generate([prompt], seeded, use_tqdm=False)[0].token_ids
+    crowd = [[(11 * i + j) % 10000 for j in range(10 + 9 * i)] for i in range(9)]
+    batch, params = [*crowd[:4], prompt, *crowd[4:]], [other] * 4 + [seeded] + [other] * 5
+    mixed = llm.generate(batch, params, use_tqdm=False)
+    assert mixed[4].token_ids == alone

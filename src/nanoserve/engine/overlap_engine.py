@@ -152,4 +152,3 @@ class OverlapEngine(LLMEngine):
     def has_unfinished(self) -> bool:
         """True while some request waits or runs, or a launched step is not yet finished."""
         return super().has_unfinished() or self.in_flight is not None
-

@@ -131,9 +131,10 @@ class PersistentBatch:
         n = len(seqs)
         lens = [len(seq) for seq in seqs]  # the host knows lengths (tokens it has not seen count)
         host = HostMetadata(list(range(n + 1)), lens, [seq.block_table for seq in seqs])
-        if out is None:
-            out = empty_decode_inputs(n, self.width, self.device)
-        bucket = out.input_ids.shape[0]
+        if out is None:  # as wide as the longest table (the torch paths gather every column)
+            width = max(map(len, host.block_tables), default=0)
+            out = empty_decode_inputs(n, width, self.device)
+        bucket, width = out.metadata.block_tables.shape
         md = out.metadata
         ctx = self.seq_lens[rows]
         positions = ctx.long() - 1
@@ -141,7 +142,7 @@ class PersistentBatch:
         out.positions[:n] = positions
         md.context_lens[:n] = ctx
         md.cu_seqlens_k[1 : n + 1] = torch.cumsum(ctx, 0)
-        torch.index_select(self.block_tables, 0, rows, out=md.block_tables[:n])
+        torch.index_select(self.block_tables[:, :width], 0, rows, out=md.block_tables[:n])
         blocks = md.block_tables[:n].gather(1, (positions // self.block_size)[:, None])[:, 0]
         md.slot_mapping[:n] = blocks.long() * self.block_size + positions % self.block_size
         if bucket > n:  # padding rows: feed token 0 at position 0, write nothing, read nothing
@@ -151,7 +152,9 @@ class PersistentBatch:
         metadata = md._replace(max_seqlen_k=max(lens, default=0), host=host)
         return StepInputs(out.input_ids, out.positions, metadata)
 
-    def sampling(self, rows: torch.Tensor, positions: torch.Tensor, filters: bool) -> SamplingTensors:
+    def sampling(
+        self, rows: torch.Tensor, positions: torch.Tensor, filters: bool
+    ) -> SamplingTensors:
         """The sampler's per-row parameters, gathered on the device by row."""
         return SamplingTensors(
             self.temperature[rows],

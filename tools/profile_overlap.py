@@ -1,0 +1,156 @@
+"""How much host time a decode step leaves exposed: the engine's own timestamps, host and device.
+
+    PYTHONPATH=src python3 tools/profile_overlap.py --stage 9 --stage 11 --batch 256 --context 1024
+    PYTHONPATH=src python3 tools/profile_overlap.py --stage 11 --batch 1 --json timeline.json
+
+Builds each stage's engine on a random-weight preset, admits `batch` requests of `context` prompt
+tokens, prefills them, then runs decode steps with `engine.step()` exactly as `LLM.generate`
+does. Each step's phases are stamped on the host (time.perf_counter) and, on a GPU, the device
+work of each step is bracketed by two CUDA events (enqueued before its first kernel and after its
+last). Per stage it prints the median step (wall), the device busy time of a step (between its
+events) and the rest: host time the device waited for. --json writes every stamp, for the
+timeline picture of stage 11's notebook. On a CPU there is no device clock: only host phases.
+It asserts nothing: a measuring tool for docs/benchmarks.md, never a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import statistics
+import time
+
+import torch
+
+from nanoserve import LLM, SamplingParams
+
+
+class Stamps:
+    """Host phases (start, end in ms since the run began) and device intervals, per step."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.t0 = time.perf_counter()
+        self.origin = self._event() if self.cuda else None
+        self.phases: list[tuple[str, float, float]] = []
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def _event(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def now(self) -> float:
+        return (time.perf_counter() - self.t0) * 1e3
+
+    def wrap(self, obj, name: str, device_work: bool = False) -> None:
+        """Stamp every call of obj.name as a host phase (and, for device_work, as a device
+        interval: an event before its first kernel, one after its last)."""
+        inner = getattr(obj, name)
+
+        @functools.wraps(inner)
+        def stamped(*args, **kwargs):
+            start = self.now()
+            before = self._event() if device_work and self.cuda else None
+            result = inner(*args, **kwargs)
+            if before is not None:
+                self.events.append((before, self._event()))
+            self.phases.append((name, start, self.now()))
+            return result
+
+        setattr(obj, name, stamped)
+
+    def device_intervals(self) -> list[tuple[float, float]]:
+        """(start, end) ms of each step's device work, on the host's clock (CUDA only)."""
+        torch.cuda.synchronize()
+        offset = 0.0  # the origin event was recorded at t0 on an idle device
+        return [
+            (offset + self.origin.elapsed_time(a), offset + self.origin.elapsed_time(b))
+            for a, b in self.events
+        ]
+
+
+def profile(args, stage: int) -> dict:
+    llm = LLM(args.model, stage=stage, max_num_seqs=max(args.batch, 1))
+    engine, runner = llm.engine, llm.engine.runner
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.steps + 64)
+    for i in range(args.batch):
+        engine.add_request([(i * 31 + j) % 10000 for j in range(args.context)], params)
+    while engine.scheduler.waiting:
+        engine.step()  # prefill everyone (the scheduler prefers prefills)
+    for _ in range(5):
+        engine.step()  # steady decode
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    stamps = Stamps(runner.device)
+    stamps.wrap(engine.scheduler, "schedule")
+    if hasattr(runner, "launch"):  # stage 11: launch, then wait for the step before
+        stamps.wrap(runner, "launch", device_work=True)
+        stamps.wrap(engine.scheduler, "resolve")
+        stamps.wrap(engine.scheduler, "commit")
+    else:  # earlier stages: prepare, run (forward + sample + wait), postprocess
+        stamps.wrap(runner, "prepare")
+        stamps.wrap(runner, "run", device_work=True)
+        stamps.wrap(engine.scheduler, "postprocess")
+    starts = []
+    for _ in range(args.steps):
+        starts.append(stamps.now())
+        engine.step()
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    starts.append(stamps.now())
+    walls = [b - a for a, b in itertools.pairwise(starts)]
+    result = {
+        "stage": stage,
+        "backend": engine.attention.name,
+        "graphs": runner.graphs is not None,
+        "batch": args.batch,
+        "context": args.context,
+        "step_starts_ms": starts,
+        "phases": stamps.phases,
+        "wall_ms": statistics.median(walls),
+    }
+    if stamps.cuda:
+        intervals = stamps.device_intervals()
+        busy = [b - a for a, b in intervals]
+        result["device"] = intervals
+        result["busy_ms"] = statistics.median(busy)
+        result["exposed_host_ms"] = result["wall_ms"] - result["busy_ms"]
+    engine.shutdown()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen3-0.6b")
+    parser.add_argument("--stage", type=int, action="append", help="repeatable (default: 11)")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--json", default=None, metavar="PATH", help="write every stamp here")
+    args = parser.parse_args()
+    results = [profile(args, stage) for stage in args.stage or [11]]
+    for r in results:
+        line = f"stage {r['stage']:>2} ({r['backend']}, graphs {'on' if r['graphs'] else 'off'}), "
+        line += f"batch {r['batch']}, context ~{r['context']}: step {r['wall_ms']:.3f} ms"
+        if "busy_ms" in r:
+            line += (
+                f", device busy {r['busy_ms']:.3f} ms, host exposed {r['exposed_host_ms']:.3f} ms"
+            )
+        print(line)
+        by_phase: dict[str, list[float]] = {}
+        for name, start, end in r["phases"]:
+            by_phase.setdefault(name, []).append(end - start)
+        print(
+            "  host phases (median ms): "
+            + ", ".join(f"{name} {statistics.median(ms):.3f}" for name, ms in by_phase.items())
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()
