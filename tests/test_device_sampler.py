@@ -4,7 +4,15 @@ request alone, and the draws follow softmax(logits / T) after top-k and top-p (c
 import pytest
 import torch
 
-from nanoserve.device_sampler import SamplingTensors, filter_mask, mix64, sample, uniforms
+from nanoserve.device_sampler import (
+    SamplingTensors,
+    filter_mask,
+    gumbel_argmax,
+    mix64,
+    row_keys,
+    sample,
+    uniforms,
+)
 from nanoserve.sampling import Sampler, SamplingParams, filter_probs
 
 V = 8
@@ -60,7 +68,7 @@ def test_seeds_above_two_to_the_63_are_accepted_and_distinct():
 
 
 def test_the_uniforms_are_uniform_and_the_mixer_spreads_neighbouring_inputs():
-    u = uniforms(torch.tensor([7]), torch.tensor([0]), 200_000)[0]
+    u = uniforms(row_keys(torch.tensor([7]), torch.tensor([0])), 200_000)[0]
     assert u.min() > 0 and u.max() < 1
     top_bin = torch.tensor([(2**23 - 1 + 0.5) / 2**23], dtype=torch.float32)
     assert top_bin < 1 and torch.isfinite(-torch.log(-torch.log(top_bin))).all()
@@ -100,3 +108,20 @@ def test_the_filter_matches_the_host_filter_row_by_row():
         k = int(top_k[r]) or None
         want = filter_probs(torch.softmax(logits[r], dim=-1), k, float(top_p[r])) > 0
         assert mask[r].tolist() == want.tolist(), r
+
+
+def test_the_triton_kernel_draws_the_torch_expressions_tokens():
+    """kernels/gumbel.py (one pass, on a GPU) against the torch expression of the same draw:
+    random, greedy and near-zero temperatures, a vocabulary of several tiles and a ragged one."""
+    pytest.importorskip("triton")
+    from nanoserve.kernels.gumbel import gumbel_argmax as fused
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on a CPU
+    gen = torch.Generator().manual_seed(3)
+    for vocab_size in (300, 5000):
+        logits = (torch.randn(16, vocab_size, generator=gen) * 3).to(device)
+        temperature = torch.tensor([0.0, 1.0, 0.6, 1e-3] * 4, device=device)
+        seeds = torch.randint(-(2**62), 2**62, (16,), generator=gen).to(device)
+        keys = row_keys(seeds, torch.arange(16, device=device) * 7)
+        want = gumbel_argmax(logits, temperature, keys)
+        assert fused(logits, temperature, keys).tolist() == want.tolist()

@@ -46,15 +46,19 @@ def mix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shift_right(x, 31)
 
 
-def uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """(B, V) float32 in (0, 1): u[r, i] = hash(seeds[r], positions[r], i), fresh per position.
+def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """(B,) int64: one key per row from its seed and the position it samples."""
+    return mix64(seeds ^ mix64(positions))
+
+
+def uniforms(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(B, V) float32 in (0, 1): u[r, i] = to_unit(mix64(keys[r] + i * GOLDEN)).
 
     23 random bits each, centred in their bin: (n + 0.5) / 2**23 is exact in float32 (24
     significant bits), so u is never 0 or 1 and both logs of the Gumbel noise stay finite (with
     24 bits the top bin would round to 1.0: noise +inf). The noise then spans about [-2.8, 16.6].
     """
-    keys = mix64(seeds ^ mix64(positions))  # (B,) one key per row and position
-    tokens = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    tokens = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)
     bits = _shift_right(mix64(keys[:, None] + tokens[None, :] * _GOLDEN), 41)  # the top 23 bits
     return (bits.float() + 0.5) / 2.0**23
 
@@ -111,14 +115,30 @@ def filter_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
     return torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)
 
 
+def gumbel_argmax(
+    logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor
+) -> torch.Tensor:
+    """(B,) int64: per row, argmax(logits / T + Gumbel noise keyed by keys); argmax when T = 0.
+
+    The torch expression of the draw; on a GPU kernels/gumbel.py computes the same in one pass.
+    """
+    greedy = temperature == 0
+    divisor = torch.where(greedy, 1.0, temperature)[:, None]
+    noise = -torch.log(-torch.log(uniforms(keys, logits.shape[-1])))
+    drawn = (logits.float() / divisor + noise).argmax(dim=-1)
+    return torch.where(greedy, logits.argmax(dim=-1), drawn)  # greedy: in the logits' own dtype
+
+
 def sample(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
     """Next token ids (B,) int64 on logits' device; the host reads them when it needs them."""
-    greedy = tensors.temperature == 0
-    temperature = torch.where(greedy, 1.0, tensors.temperature)[:, None]
-    scaled = logits.float() / temperature
-    if tensors.filters:
-        scaled = scaled.masked_fill(~filter_mask(scaled, tensors.top_k, tensors.top_p), -torch.inf)
-    u = uniforms(tensors.seeds, tensors.positions, logits.shape[-1])
-    gumbel = -torch.log(-torch.log(u))
-    drawn = (scaled + gumbel).argmax(dim=-1)
-    return torch.where(greedy, logits.argmax(dim=-1), drawn)
+    temperature, keys = tensors.temperature, row_keys(tensors.seeds, tensors.positions)
+    if tensors.filters:  # cut each row's distribution first, then draw from what is left
+        greedy = temperature == 0
+        scaled = logits.float() / torch.where(greedy, 1.0, temperature)[:, None]
+        logits = scaled.masked_fill(~filter_mask(scaled, tensors.top_k, tensors.top_p), -torch.inf)
+        temperature = torch.where(greedy, 0.0, 1.0)  # already divided
+    if logits.is_cuda and logits.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        from nanoserve.kernels.gumbel import gumbel_argmax as fused
+
+        return fused(logits, temperature, keys)
+    return gumbel_argmax(logits, temperature, keys)

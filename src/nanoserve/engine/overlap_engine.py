@@ -20,45 +20,15 @@ What that changes, and how each consequence is handled:
 
 from __future__ import annotations
 
-from nanoserve.config import EngineConfig
-from nanoserve.engine.kv_manager import KVCacheManager
-from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.engine.overlap_runner import Launched, OverlapRunner
-from nanoserve.engine.scheduler import Scheduler, finish_reason
-from nanoserve.engine.trace import StepRecord
+from nanoserve.engine.overlap_base import OverlapEngineBase, OverlapSchedulerBase
+from nanoserve.engine.overlap_runner import Launched
+from nanoserve.engine.scheduler import finish_reason
 from nanoserve.types import Sequence, SequenceStatus
 
 
-def owes_its_last_token(seq: Sequence, max_model_len: int) -> bool:
-    """True when the token the device owes seq ends it by length: no step may follow."""
-    if seq.num_pending == 0:
-        return False
-    completion = seq.num_completion_tokens + seq.num_pending
-    return completion >= seq.params.max_tokens or len(seq) >= max_model_len
-
-
-class OverlapScheduler(Scheduler):
+class OverlapScheduler(OverlapSchedulerBase):
     """The scheduler, split at the step it does not wait for: `commit` when a step is launched
     (progress and owed tokens), `resolve` when its tokens arrive (append, finish, free)."""
-
-    def __init__(self, config: EngineConfig, manager: KVCacheManager, release):
-        super().__init__(config, manager)
-        self.release = release  # called with each sequence that leaves the running set
-
-    def _schedule_decode(self) -> list[Sequence]:
-        """Decode the running sequences, except those whose owed token already ends them."""
-        done = [s for s in self.running if owes_its_last_token(s, self.config.max_model_len)]
-        for seq in done:
-            self.running.remove(seq)
-        try:
-            return super()._schedule_decode()
-        finally:
-            self.running.extend(done)  # still running until their last token resolves
-
-    def preempt(self, seq: Sequence) -> None:
-        """As ever, and the sequence's row is freed (a re-admission takes a fresh one)."""
-        super().preempt(seq)
-        self.release(seq)
 
     def commit(self, launched: Launched) -> None:
         """The launched step's K/V will be stored and each sampling sequence owes a token."""
@@ -95,15 +65,11 @@ class OverlapScheduler(Scheduler):
         return finished
 
 
-class OverlapEngine(LLMEngine):
+class OverlapEngine(OverlapEngineBase):
     """The engine loop with one step in flight: `step` launches the next and finishes the last."""
 
-    runner: OverlapRunner
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.scheduler = OverlapScheduler(self.config, self.manager, self.runner.state.release)
-        self.in_flight: Launched | None = None
+    Scheduler = OverlapScheduler
+    scheduler: OverlapScheduler
 
     def step(self) -> list[Sequence]:
         """Launch the next batch (if any), then wait for the one before and finish it."""
@@ -118,37 +84,3 @@ class OverlapEngine(LLMEngine):
             self.scheduler.commit(launched)
             self.in_flight = launched
         return finished
-
-    def _launch(self) -> Launched | None:
-        num_preempted_before = self.scheduler.num_preemptions
-        batch = self.scheduler.schedule()
-        if not batch.seqs:  # everything running waits for its last token
-            return None
-        try:
-            launched = self.runner.launch(batch)
-        except BaseException:
-            self.scheduler.undo(batch)
-            for seq in batch.seqs:
-                if seq.status is SequenceStatus.WAITING:
-                    self.runner.state.release(seq)
-            raise
-        self.num_steps += 1
-        if batch.is_prefill:
-            self.num_prefill_tokens += sum(seq.num_scheduled_tokens for seq in batch.seqs)
-        if self.on_step is not None:
-            num_preempted = self.scheduler.num_preemptions - num_preempted_before
-            self.on_step(StepRecord(self.num_steps, batch, launched.inputs, num_preempted))
-        return launched
-
-    def abort(self, seqs) -> None:
-        """As ever; a token the device still owes an aborted sequence is never appended."""
-        for seq in seqs:
-            was_finished = seq.is_finished
-            self.scheduler.abort(seq)
-            if not was_finished:
-                seq.num_pending = 0
-                self.runner.state.release(seq)
-
-    def has_unfinished(self) -> bool:
-        """True while some request waits or runs, or a launched step is not yet finished."""
-        return super().has_unfinished() or self.in_flight is not None

@@ -22,9 +22,10 @@ import torch.distributed as dist
 
 from nanoserve.device_sampler import sample
 from nanoserve.engine.cuda_graphs import bucket_for
+from nanoserve.engine.device_batch import to_device_ints
 from nanoserve.engine.graph_buffers import view_rows
 from nanoserve.engine.model_runner import ModelRunner, completes_prompt
-from nanoserve.engine.persistent_batch import PersistentBatch, to_device_ints
+from nanoserve.engine.persistent_batch import PersistentBatch
 from nanoserve.types import ScheduledBatch, Sequence, StepInputs, StepMessage, StepRow
 
 
@@ -72,7 +73,7 @@ class OverlapRunner(ModelRunner):
         with self.fan_out(batch):
             if self.workers is not None and not batch.is_prefill:
                 dist.broadcast(inputs.input_ids[: len(seqs)], src=0)  # the workers' input ids
-            if replay:  # the inputs are in the static buffers already: replay as they are
+            if replay and self.graphs is not None:  # inputs already in the static buffers
                 logits = self.model.compute_logits(self.graphs.replay_filled(len(seqs)))
             else:
                 logits = self.forward(inputs, self.attention, len(seqs))

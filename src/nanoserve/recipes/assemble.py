@@ -20,9 +20,7 @@ from nanoserve.engine.cuda_graphs import DecodeGraphs, table_width
 from nanoserve.engine.kv_manager import KVCacheManager
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.model_runner import ModelRunner, StepFanout, warmup_peak_bytes
-from nanoserve.engine.overlap_engine import OverlapEngine
 from nanoserve.engine.overlap_runner import OverlapRunner
-from nanoserve.engine.persistent_batch import PersistentBatch
 from nanoserve.kernels.backend import (
     BackendChoice,
     check_block_size,
@@ -52,6 +50,7 @@ class BuiltRunner(NamedTuple):
     runner: ModelRunner
     manager: KVCacheManager
     attention: BackendChoice
+    engine: type[LLMEngine] = LLMEngine  # the loop the recipe's engine runs
 
 
 def build_engine(
@@ -68,8 +67,7 @@ def build_engine(
     The model is loaded from `spec` (or `model` is reused, built from the same spec); `workers`
     are the other tensor-parallel ranks, already started (stage 09, rank 0 of several).
     """
-    runner, manager, choice = build_runner(stage, config, spec, components, model, workers)
-    engine = OverlapEngine if recipe_for(stage).overlaps else LLMEngine
+    runner, manager, choice, engine = build_runner(stage, config, spec, components, model, workers)
     return engine(config, runner, manager, eos_ids, choice)
 
 
@@ -103,13 +101,11 @@ def build_runner(
     if recipe.captures_decode:
         graphs = capture_decode_graphs(model, built, config, choice.name)
     parts_of_runner = (model, built.cache, built.attention, built.packer, graphs, workers)
-    if recipe.overlaps:
-        width = table_width(config.max_model_len, config.block_size)
-        state = PersistentBatch(config.max_num_seqs, width, config.block_size, spec.device)
-        runner: ModelRunner = OverlapRunner(*parts_of_runner, state=state)
+    if built.state is not None:  # stage 11: a runner that launches steps without waiting
+        runner: ModelRunner = OverlapRunner(*parts_of_runner, state=built.state)
     else:
         runner = ModelRunner(*parts_of_runner)
-    return BuiltRunner(runner, built.manager, choice)
+    return BuiltRunner(runner, built.manager, choice, built.engine)
 
 
 def budget_bytes(model: CausalLM, config: EngineConfig, spec: ModelSpec) -> int:

@@ -1,13 +1,33 @@
 """Stage 11's engine: stage 09's model, pool, kernels and graphs, run by the overlap loop.
 
-Its learner writes the persistent batch's row updates and the overlap loop; the runner
-(`OverlapRunner`) and the engine (`OverlapEngine`) are chosen by `overlaps=True`.
+Its learner writes the persistent batch's row bookkeeping (`PersistentBatch`) and the overlap
+loop (`OverlapScheduler.commit/resolve`, `OverlapEngine.step`); given to them: the device batch,
+the runner that launches without waiting, and the device sampler.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from nanoserve.recipes import tensor_parallel
+from nanoserve.config import EngineConfig
+from nanoserve.engine.cuda_graphs import table_width
+from nanoserve.engine.overlap_engine import OverlapEngine
+from nanoserve.engine.persistent_batch import PersistentBatch
+from nanoserve.recipes import prefix_cache, tensor_parallel
+from nanoserve.recipes.recipe import EngineParts, Sizing
 
-RECIPE = dataclasses.replace(tensor_parallel.RECIPE, overlaps=True)
+
+def build(config: EngineConfig, sizing: Sizing, parts: dict, backend: str) -> EngineParts:
+    """Stage 07's manager, pool and kernels; a persistent batch of max_num_seqs rows (it grows
+    if more run) as wide as the longest table; the learner's overlap loop (or ours)."""
+    built = prefix_cache.build(config, sizing, {}, backend)
+    width = table_width(config.max_model_len, config.block_size)
+    state = parts.get("PersistentBatch", PersistentBatch)(
+        config.max_num_seqs, width, config.block_size, sizing.device
+    )
+    return built._replace(state=state, engine=parts.get("OverlapEngine", OverlapEngine))
+
+
+RECIPE = dataclasses.replace(
+    tensor_parallel.RECIPE, build=build, parts=("PersistentBatch", "OverlapEngine")
+)

@@ -19,6 +19,8 @@ from nanoserve.cache.kv_cache import KVCache
 from nanoserve.config import EngineConfig
 from nanoserve.engine.input_packer import InputPacker
 from nanoserve.engine.kv_manager import KVCacheManager
+from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.engine.persistent_batch import PersistentBatch
 from nanoserve.kernels.backend import AttentionBackend
 from nanoserve.models.config import ModelConfig
 
@@ -60,6 +62,8 @@ class EngineParts(NamedTuple):
     cache: KVCache
     packer: InputPacker
     attention: AttentionBackend
+    state: PersistentBatch | None = None  # stage 11: the running requests' rows on the device
+    engine: type[LLMEngine] = LLMEngine  # the loop that steps it (stage 11: the overlap loop)
 
 
 # build(config, sizing, parts, backend): parts holds the learner's replacements only (by the
@@ -78,4 +82,3 @@ class Recipe:
     parts_run_on: str | None = None  # the one backend that runs the parts (None: every one)
     captures_decode: bool = False  # stage 08: decode steps replay CUDA graphs (on a GPU)
     shards_model: bool = False  # stage 09: the model may span tensor_parallel_size processes
-    overlaps: bool = False  # stage 11: batch state on the device, step N + 1 launched before N ends

@@ -1,0 +1,159 @@
+"""The device batch: per-row tensors of the running requests on the device, and what a step reads.
+
+Introduced in stage 11, given to its learner (who writes `PersistentBatch`, which decides which
+request holds which row and which table entries the device still lacks). Rows hold:
+
+    block_tables (R, W) int32    the request's block ids, -1 past its end
+    seq_lens     (R,)   int32    tokens its next decode step attends over (the fed token included)
+    next_token_ids (R,) int64    the token its next decode step feeds (sampled by the step before)
+    temperature, top_k, top_p, seeds (R,)   its sampling parameters, written once at admission
+
+A decode step reads them by row (`decode_inputs`): input ids, positions, slots and context
+lengths are computed here on the device, so no token and no table leaves it. Seed trace,
+block_size 4: row 0 with table [5, 2] and seq_lens 7 feeds next_token_ids[0] at position 6, slot
+2 * 4 + 2 = 10, and reads 7 tokens.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence as Seq
+
+import numpy as np
+import torch
+
+from nanoserve.device_sampler import SamplingTensors
+from nanoserve.engine.step_tensors import to_device
+from nanoserve.sampling import SamplingParams
+from nanoserve.types import AttentionMetadata, HostMetadata, Sequence, StepInputs
+
+
+class DeviceBatch:
+    """Per-row device tensors for up to `capacity` running requests (grown when more run), and
+    what a step reads from them; which request holds which row is `PersistentBatch`'s business."""
+
+    def __init__(self, capacity: int, table_width: int, block_size: int, device):
+        self.block_size, self.device = block_size, torch.device(device)
+        self.width = table_width
+        self.capacity = 0
+        self._seeds = random.Random()  # an unseeded request gets a fresh seed (see write_params)
+        self.block_tables = torch.empty(0, table_width, dtype=torch.int32, device=self.device)
+        self.seq_lens = self._ints(0, torch.int32)  # tokens the row's next decode attends over
+        self.next_token_ids = self._ints(0, torch.int64)  # the token the next decode feeds
+        self.temperature = torch.empty(0, device=self.device)
+        self.top_k = self._ints(0, torch.int64)
+        self.top_p = torch.empty(0, device=self.device)
+        self.seeds = self._ints(0, torch.int64)
+        self.grow(capacity)
+
+    def _ints(self, n: int, dtype) -> torch.Tensor:
+        return torch.zeros(n, dtype=dtype, device=self.device)
+
+    def grow(self, capacity: int) -> None:
+        """Room for `capacity` rows; rows below the old capacity keep their values."""
+        old = self.capacity
+
+        def grown(x: torch.Tensor, fill) -> torch.Tensor:
+            out = torch.full((capacity, *x.shape[1:]), fill, dtype=x.dtype, device=x.device)
+            out[:old] = x
+            return out
+
+        self.block_tables = grown(self.block_tables, -1)
+        self.seq_lens, self.next_token_ids = grown(self.seq_lens, 0), grown(self.next_token_ids, 0)
+        self.temperature, self.top_p = grown(self.temperature, 0.0), grown(self.top_p, 1.0)
+        self.top_k, self.seeds = grown(self.top_k, 0), grown(self.seeds, 0)
+        self.capacity = capacity
+
+    def write_params(self, row: int, params: SamplingParams) -> None:
+        """Row's sampling parameters; an unseeded request draws its seed here (its draws are
+        then keyed by position, like a seeded one's)."""
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)
+        self.temperature[row] = 0.0 if params.is_greedy else params.temperature
+        self.top_k[row] = params.top_k or 0
+        self.top_p[row] = params.top_p
+        self.seeds[row] = seed - 2**64 if seed >= 2**63 else seed  # the same 64 bits, signed
+
+    def upload(
+        self, rows: list[int], changed_rows: list[int], columns: list[int], blocks: list[int]
+    ) -> torch.Tensor:
+        """The step's rows on the device, after block_tables[changed_rows[i], columns[i]] =
+        blocks[i] for every i; one host-to-device copy of [rows | changed | columns | blocks]."""
+        packed = to_device_ints(rows + changed_rows + columns + blocks, self.device)
+        n, u = len(rows), len(changed_rows)
+        if u:
+            where = (packed[n : n + u], packed[n + u : n + 2 * u])
+            self.block_tables.index_put_(where, packed[n + 2 * u :].to(torch.int32))
+        return packed[:n]
+
+    def decode_inputs(
+        self, seqs: Seq[Sequence], rows: torch.Tensor, out: StepInputs | None = None
+    ) -> StepInputs:
+        """A decode step's inputs computed on the device from the rows (no token leaves it).
+
+        out: tensors to write into (stage 08's static graph buffers, `bucket` rows); rows past
+        len(seqs) become padding (slot -1, context length 0). None: fresh tensors of len(seqs).
+        """
+        n = len(seqs)
+        lens = [len(seq) for seq in seqs]  # the host knows lengths (tokens it has not seen count)
+        host = HostMetadata(list(range(n + 1)), lens, [seq.block_table for seq in seqs])
+        if out is None:  # as wide as the longest table (the torch paths gather every column)
+            width = max(map(len, host.block_tables), default=0)
+            out = empty_decode_inputs(n, width, self.device)
+        bucket, width = out.metadata.block_tables.shape
+        md = out.metadata
+        ctx = self.seq_lens[rows]
+        positions = ctx.long() - 1
+        torch.index_select(self.next_token_ids, 0, rows, out=out.input_ids[:n])
+        out.positions[:n] = positions
+        md.context_lens[:n] = ctx
+        md.cu_seqlens_k[1 : n + 1] = torch.cumsum(ctx, 0)
+        torch.index_select(self.block_tables[:, :width], 0, rows, out=md.block_tables[:n])
+        blocks = md.block_tables[:n].gather(1, (positions // self.block_size)[:, None])[:, 0]
+        md.slot_mapping[:n] = blocks.long() * self.block_size + positions % self.block_size
+        if bucket > n:  # padding rows: feed token 0 at position 0, write nothing, read nothing
+            md.slot_mapping[n:] = -1
+            md.context_lens[n:] = 0
+            md.cu_seqlens_k[n + 1 :] = md.cu_seqlens_k[n]
+        metadata = md._replace(max_seqlen_k=max(lens, default=0), host=host)
+        return StepInputs(out.input_ids, out.positions, metadata)
+
+    def sampling(
+        self, rows: torch.Tensor, positions: torch.Tensor, filters: bool
+    ) -> SamplingTensors:
+        """The sampler's per-row parameters, gathered on the device by row."""
+        return SamplingTensors(
+            self.temperature[rows],
+            self.top_k[rows],
+            self.top_p[rows],
+            self.seeds[rows],
+            positions,
+            filters,
+        )
+
+    def record(self, rows: torch.Tensor, tokens: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """After sampling: what each row feeds next, and how long its context is then."""
+        self.next_token_ids[rows] = tokens
+        self.seq_lens[rows] = seq_lens.to(torch.int32)
+
+
+def to_device_ints(values: list[int], device) -> torch.Tensor:
+    """A list of ints as an int64 tensor on device (through pinned memory, without waiting)."""
+    return to_device(np.asarray(values, dtype=np.int64), device)
+
+
+def empty_decode_inputs(n: int, width: int, device) -> StepInputs:
+    """Uninitialised decode inputs of n rows (decode_inputs writes every element it reads)."""
+    ints = dict(dtype=torch.int32, device=device)
+    metadata = AttentionMetadata(
+        is_prefill=False,
+        cu_seqlens_q=torch.arange(n + 1, **ints),
+        cu_seqlens_k=torch.zeros(n + 1, **ints),
+        max_seqlen_q=1,
+        max_seqlen_k=0,
+        slot_mapping=torch.empty(n, dtype=torch.int64, device=device),
+        context_lens=torch.empty(n, **ints),
+        block_tables=torch.empty(n, width, **ints),
+        host=HostMetadata([], [], []),
+    )
+    longs = dict(dtype=torch.int64, device=device)
+    return StepInputs(torch.empty(n, **longs), torch.empty(n, **longs), metadata)

@@ -1,0 +1,97 @@
+"""The given parts of stage 11's loop: what the overlap scheduler and engine share with stage 10's.
+
+Introduced in stage 11, given to its learner (who writes `commit`, `resolve` and `step`, in
+engine/overlap_engine.py). Here: a sequence whose owed token ends it by length is not scheduled
+again; a preempted or aborted sequence gives its row back; `_launch` schedules a batch and hands
+it to the runner (undoing the schedule if the launch fails); the engine has work while a step is
+in flight.
+"""
+
+from __future__ import annotations
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine.kv_manager import KVCacheManager
+from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.engine.overlap_runner import Launched, OverlapRunner
+from nanoserve.engine.scheduler import Scheduler
+from nanoserve.engine.trace import StepRecord
+from nanoserve.types import Sequence, SequenceStatus
+
+
+def owes_its_last_token(seq: Sequence, max_model_len: int) -> bool:
+    """True when the token the device owes seq ends it by length: no step may follow."""
+    if seq.num_pending == 0:
+        return False
+    completion = seq.num_completion_tokens + seq.num_pending
+    return completion >= seq.params.max_tokens or len(seq) >= max_model_len
+
+
+class OverlapSchedulerBase(Scheduler):
+    """Stage 10's scheduler, told how to free a row, and not decoding what owes its last token."""
+
+    def __init__(self, config: EngineConfig, manager: KVCacheManager, release):
+        super().__init__(config, manager)
+        self.release = release  # called with each sequence that leaves the running set
+
+    def _schedule_decode(self) -> list[Sequence]:
+        """Decode the running sequences, except those whose owed token already ends them."""
+        done = [s for s in self.running if owes_its_last_token(s, self.config.max_model_len)]
+        for seq in done:
+            self.running.remove(seq)
+        try:
+            return super()._schedule_decode()
+        finally:
+            self.running.extend(done)  # still running until their last token resolves
+
+    def preempt(self, seq: Sequence) -> None:
+        """As ever, and the sequence's row is freed (a re-admission takes a fresh one)."""
+        super().preempt(seq)
+        self.release(seq)
+
+
+class OverlapEngineBase(LLMEngine):
+    """The engine with a step in flight: `Scheduler` names the scheduler class it runs."""
+
+    runner: OverlapRunner
+    scheduler: OverlapSchedulerBase
+    Scheduler: type[OverlapSchedulerBase] = OverlapSchedulerBase
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.scheduler = self.Scheduler(self.config, self.manager, self.runner.state.release)
+        self.in_flight: Launched | None = None  # the step launched last, not yet resolved
+
+    def _launch(self) -> Launched | None:
+        """Schedule a batch and launch it; None when nothing can run until a step resolves."""
+        num_preempted_before = self.scheduler.num_preemptions
+        batch = self.scheduler.schedule()
+        if not batch.seqs:  # everything running waits for its last token
+            return None
+        try:
+            launched = self.runner.launch(batch)
+        except BaseException:
+            self.scheduler.undo(batch)
+            for seq in batch.seqs:
+                if seq.status is SequenceStatus.WAITING:
+                    self.runner.state.release(seq)
+            raise
+        self.num_steps += 1
+        if batch.is_prefill:
+            self.num_prefill_tokens += sum(seq.num_scheduled_tokens for seq in batch.seqs)
+        if self.on_step is not None:
+            num_preempted = self.scheduler.num_preemptions - num_preempted_before
+            self.on_step(StepRecord(self.num_steps, batch, launched.inputs, num_preempted))
+        return launched
+
+    def abort(self, seqs) -> None:
+        """As ever; a token the device still owes an aborted sequence is never appended."""
+        for seq in seqs:
+            was_finished = seq.is_finished
+            self.scheduler.abort(seq)
+            if not was_finished:
+                seq.num_pending = 0
+                self.runner.state.release(seq)
+
+    def has_unfinished(self) -> bool:
+        """True while some request waits or runs, or a launched step is not yet resolved."""
+        return super().has_unfinished() or self.in_flight is not None
