@@ -39,12 +39,10 @@ class PeerFailed(RuntimeError):
     """nano-vLLM's child failed, died or hung; the message says how and ends with its log."""
 
 
-def find_package(name: str, peer_path: str | None) -> str | None:
-    """Where `import name` would find the package, with peer_path first on the path; None if
-    nowhere. Nothing is imported."""
+def is_importable(name: str, peer_path: str | None) -> bool:
+    """Whether the child could `import name` (peer_path first on its path); nothing is imported."""
     search = [peer_path] if peer_path else []
-    spec = PathFinder.find_spec(name, [*search, *sys.path])
-    return None if spec is None else str(spec.origin or name)
+    return PathFinder.find_spec(name, [*search, *sys.path]) is not None
 
 
 def check_peer_path(peer_path: str | None, compare: str | None) -> None:
@@ -63,12 +61,12 @@ def check_peer_path(peer_path: str | None, compare: str | None) -> None:
 def missing_requirements(flags, peer_path: str | None) -> list[str]:
     """What this machine or these flags lack for nano-vLLM, each with what to do about it."""
     missing = []
-    if find_package("nanovllm", peer_path) is None:
+    if not is_importable("nanovllm", peer_path):
         missing.append(
             "the nanovllm package is not importable (pass --peer-path DIR, a nano-vLLM source "
             "checkout such as .peer/nano-vllm)"
         )
-    if find_package("flash_attn", peer_path) is None:
+    if not is_importable("flash_attn", peer_path):
         missing.append(
             "flash_attn is not importable (build it, e.g. bash .peer/build_fa2.sh, and put "
             "/tmp/fa on PYTHONPATH)"
@@ -123,7 +121,7 @@ def peer_request(folder: str, config, workload: Workload) -> dict:
 
 def child_env(peer_path: str | None) -> dict[str, str]:
     """The child's environment: this one, with the peer and nanoserve's source on PYTHONPATH."""
-    paths = [peer_path] if peer_path else []
+    paths = [str(Path(peer_path).resolve())] if peer_path else []
     paths += [str(SRC_ROOT), os.environ.get("PYTHONPATH", "")]
     return {
         **os.environ,
