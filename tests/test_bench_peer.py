@@ -294,8 +294,8 @@ def test_a_child_that_fails_is_reported_with_its_exit_and_its_last_words(
 def test_a_child_that_hangs_is_killed_at_its_timeout(fake_peer, tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_NANOVLLM", "hang")
     folder = PeerFolder(str(tmp_path), "")
-    with pytest.raises(PeerFailed, match=r"did not finish in 1 s and was killed"):
-        run_peer(folder, CONFIG, WORKLOAD, str(fake_peer), timeout_s=1)
+    with pytest.raises(PeerFailed, match=r"did not finish in 0.5 s and was killed"):
+        run_peer(folder, CONFIG, WORKLOAD, str(fake_peer), timeout_s=0.5)
 
 
 def test_a_child_without_nanovllm_says_so(tmp_path):

@@ -179,7 +179,7 @@ def wait_for_child(command: list[str], env: dict, log, timeout_s: float) -> int 
 def exit_words(exitcode: int | None, timeout_s: float) -> str:
     """How the child ended, in words."""
     if exitcode is None:
-        return f"did not finish in {timeout_s:.0f} s and was killed"
+        return f"did not finish in {timeout_s:g} s and was killed"
     if exitcode < 0:
         return f"was killed by signal {-exitcode}"
     if exitcode == 0:
