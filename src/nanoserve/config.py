@@ -11,6 +11,7 @@ import difflib
 import math
 import numbers
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 
 @dataclass(frozen=True)
@@ -19,8 +20,8 @@ class EngineConfig:
 
     max_model_len: int = 2048  # prompt + completion tokens of one sequence, at most (LLM and
     # bench build configs with `engine_config_for`, whose default is the model's, up to 4096)
-    max_num_seqs: int = 64  # sequences in one batch, at most
-    max_num_batched_tokens: int = 8192  # tokens in one prefill batch, at most
+    max_num_seqs: int = 64  # sequences in one batch, at most (engine_config_for: 512 on CUDA)
+    max_num_batched_tokens: int = 8192  # tokens in one prefill batch, at most (16384 on CUDA)
     num_slabs: int | None = None  # stage 01: slabs (default: what fits the budget, <= max_num_seqs)
     block_size: int = 16  # stage 03+: tokens per KV block
     num_kv_blocks: int | None = None  # stage 03+: pool size (default: what fits the budget)
@@ -89,14 +90,33 @@ class EngineConfig:
 ENGINE_OPTIONS = tuple(f.name for f in fields(EngineConfig))
 
 
-def engine_config_for(model_config, **options) -> EngineConfig:
-    """EngineConfig with defaults that depend on the model: max_model_len at most 4096 (or the
-    model's own limit), and a prefill budget that always fits one max_model_len prompt."""
+class BatchLimits(NamedTuple):
+    """The batch limits an engine gets when none are asked for."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+# device type -> defaults. CUDA takes nano-vLLM's (a GPU step costs about the same for 64 or 512
+# sequences, so a wide batch is nearly free throughput); a CPU keeps EngineConfig's small ones
+BATCH_LIMITS = {
+    "cpu": BatchLimits(EngineConfig.max_num_seqs, EngineConfig.max_num_batched_tokens),
+    "cuda": BatchLimits(max_num_seqs=512, max_num_batched_tokens=16384),
+}
+
+
+def engine_config_for(model_config, device="cpu", **options) -> EngineConfig:
+    """EngineConfig with defaults that depend on the model and the device (a torch.device or its
+    type): max_model_len at most 4096 (or the model's own limit), the device's BATCH_LIMITS, and
+    a prefill budget that always fits one max_model_len prompt. Options given always win."""
     _reject_unknown(options)
+    limits = BATCH_LIMITS.get(getattr(device, "type", device), BATCH_LIMITS["cpu"])
     limit = model_config.max_position_embeddings
     max_model_len = options.setdefault("max_model_len", min(limit, 4096))
+    options.setdefault("max_num_seqs", limits.max_num_seqs)
     if is_int(max_model_len):  # otherwise EngineConfig names the bad value
-        options.setdefault("max_num_batched_tokens", max(8192, max_model_len))
+        budget = max(limits.max_num_batched_tokens, max_model_len)
+        options.setdefault("max_num_batched_tokens", budget)
     config = EngineConfig(**options)
     _require(
         config.max_model_len <= limit,

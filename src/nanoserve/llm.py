@@ -66,7 +66,7 @@ class LLM:
         source = model_source(model)  # resolved once: a Hub id is looked up a single time
         self.model_config = load_model_config(source)
         self.tokenizer = load_tokenizer(source)
-        self.config = engine_config_for(self.model_config, **engine_options)
+        self.config = engine_config_for(self.model_config, self.device, **engine_options)
         spec = ModelSpec(source, self.dtype, self.device)
         components = prefix_caching_components(
             self.stage.number, self.config.enable_prefix_caching, components

@@ -54,8 +54,11 @@ def positive_float(text: str) -> float:
 # engine_config_for's, and `test_cli_conventions` holds every field to having one here
 ENGINE_FLAG_HELP: dict[str, tuple[str, str]] = {
     "max_model_len": ("prompt + completion tokens of one sequence", "the model's limit, <= 4096"),
-    "max_num_seqs": ("sequences in one batch, at most", "64"),
-    "max_num_batched_tokens": ("tokens in one prefill batch", "8192, or --max-model-len if more"),
+    "max_num_seqs": ("sequences in one batch, at most", "64 on a CPU, 512 on CUDA"),
+    "max_num_batched_tokens": (
+        "tokens in one prefill batch",
+        "8192 on a CPU, 16384 on CUDA, or --max-model-len if more",
+    ),
     "num_slabs": ("stage 01: K/V slabs", "as many as fit the KV budget, <= --max-num-seqs"),
     "block_size": ("stage 03+: tokens per KV block", "16"),
     "num_kv_blocks": ("stage 03+: blocks in the KV pool", "as many as fit the KV budget"),
@@ -197,7 +200,7 @@ def check_engine_flags(args, stages: list[int]) -> CheckedFlags:
         source = model_source(args.model)
         model_config = load_model_config(source)
     try:
-        config = engine_config_for(model_config, **engine_options(args))
+        config = engine_config_for(model_config, device, **engine_options(args))
     except InvalidOption as err:
         why = f"{err.value!r} is invalid; expected {err.expected}"
         raise ValueError(f"argument {flag_name(err.name)}: {why}") from None

@@ -2,9 +2,9 @@
 
 Introduced in stage 04 (records per engine); stage 10 added the served run's latencies, as
 numbers in milliseconds (TTFT, TPOT, ITL and end-to-end: mean, p50, p90, p99), and a record per
-request. Every number is finite: an unbounded option (`--request-rate inf`) is written as
-null, so `JSON.parse` and `json.loads(..., parse_constant=...)` that refuse NaN and Infinity
-both read it. It measures nothing itself.
+request; `--repeat` adds each engine's runs to its record. Every number is finite: an unbounded
+option (`--request-rate inf`) is written as null, so `JSON.parse` and `json.loads(...,
+parse_constant=...)` that refuse NaN and Infinity both read it. It measures nothing itself.
 """
 
 from __future__ import annotations
@@ -88,6 +88,12 @@ def result_record(result: BenchResult, first: BenchResult) -> dict:
     return dict(result._asdict(), tokens_per_s=result.tokens_per_s, ratio=ratio)
 
 
+def run_record(result: BenchResult) -> dict:
+    """One timed run of an engine (of several, with --repeat): its counts, seconds, tokens/s."""
+    names = ("output_tokens", "seconds", "preemptions", "prefill_tokens")
+    return {**{n: getattr(result, n) for n in names}, "tokens_per_s": result.tokens_per_s}
+
+
 def git_commit() -> str | None:
     """The commit of the source tree nanoserve runs from, if it is a git checkout."""
     try:
@@ -122,9 +128,10 @@ def write_json(path: str, report: dict) -> None:
         json.dump(finite(report), f, indent=2, allow_nan=False)
 
 
-def bench_report(args, header, stages, results, device, timings=None) -> dict:
-    """The whole run: provenance, the header lines, the options, one record per engine and,
-    for a served run, the latencies and the requests."""
+def bench_report(args, header, stages, results, device, timings=None, runs=None) -> dict:
+    """The whole run: provenance, the header lines, the options, one record per engine (with
+    `runs`, one list per engine: its runs in run order) and, for a served run, the latencies
+    and the requests."""
     from nanoserve import __version__
 
     options = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
@@ -138,6 +145,8 @@ def bench_report(args, header, stages, results, device, timings=None) -> dict:
         "options": options,
         "results": [result_record(r, results[0]) for r in results],
     }
+    for record, engine_runs in zip(report["results"], runs or []):
+        record["runs"] = [run_record(r) for r in engine_runs]
     if timings:
         report.update(latency_report(timings))
     return report

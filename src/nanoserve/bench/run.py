@@ -1,27 +1,31 @@
 """`nanoserve bench`: nano-vLLM's throughput workload on the engines of one or more stages.
 
 Introduced in stage 04. It times whole runs (prefill included), optionally beside transformers
-(`bench/hf.py`), and asserts nothing: tests prove the engine right, this measures its speed.
-torch and the engine are imported inside functions so that building the CLI's parser stays quick.
+(`bench/hf.py`) or nano-vLLM (`bench/peer.py`, after stage 10), each engine `--repeat` times in
+interleaved rounds (`bench/rounds.py`), and asserts nothing: tests prove the engine right, this
+measures its speed. torch and the engine are imported inside functions so that building the
+CLI's parser stays quick.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import contextlib
+import functools
 import math
 import os
+from collections.abc import Callable
 
 from nanoserve.bench import serve
+from nanoserve.bench.nanoserve_engine import load_bench_model, run_nanoserve
+from nanoserve.bench.peer import PEER, check_peer, check_peer_path
 from nanoserve.bench.report import bench_report, write_json
+from nanoserve.bench.rounds import median_run, run_line, run_rounds, runs_note
 from nanoserve.bench.workload import (
-    WARMUP_MAX_TOKENS,
-    WARMUP_PROMPT_LEN,
     BenchResult,
     Workload,
     make_workload,
     release_memory,
-    timer,
     with_shared_prefix,
 )
 from nanoserve.config import EngineConfig
@@ -33,7 +37,8 @@ from nanoserve.options import (
     refusing_as,
 )
 from nanoserve.stages import latest_stage, require_implemented
-from nanoserve.types import ModelSpec
+
+Runner = Callable[[], BenchResult]  # one engine's timed run of the whole workload
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
@@ -60,7 +65,27 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         metavar="N",
         help="every prompt starts with the same N tokens (prefix caching, stage 07; default: none)",
     )
-    p.add_argument("--compare", choices=["hf"], default=None, help="also time transformers")
+    p.add_argument(
+        "--compare",
+        choices=["hf", PEER],
+        default=None,
+        help=f"also time transformers (hf) or nano-vLLM ({PEER}: CUDA, flash_attn, a Qwen3 model)",
+    )
+    p.add_argument(
+        "--peer-path",
+        default=None,
+        metavar="DIR",
+        help=f"a nano-vLLM source checkout, for --compare {PEER} where nanovllm is not "
+        "importable (default: none)",
+    )
+    p.add_argument(
+        "--repeat",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="run every engine N times, in interleaved rounds, and report each one's median run "
+        "(default: %(default)s)",
+    )
     p.add_argument(
         "--hf-batch-size", type=positive_int, default=None, help="CPU (default: all requests)"
     )
@@ -79,17 +104,6 @@ def checked_stages(args) -> list[int]:
     return list(dict.fromkeys(numbers))  # drop repeats, keep order
 
 
-def load_bench_model(flags: CheckedFlags):
-    """(spec, model): the checked --model on the --device in the --dtype.
-
-    Loaded once and reused by every stage's engine, so each runs on the very same weights.
-    """
-    from nanoserve.models.loader import load_model
-
-    spec = ModelSpec(flags.source, flags.dtype, flags.device)
-    return spec, load_model(spec.source, spec.device, spec.dtype)
-
-
 def check_fits(config: EngineConfig, workload: Workload) -> None:
     """ValueError naming --max-model-len unless every request of the workload fits it."""
     longest = max(len(p) + m for p, m in zip(*workload))
@@ -99,52 +113,6 @@ def check_fits(config: EngineConfig, workload: Workload) -> None:
             f"(prompt + max_tokens), more than max_model_len {config.max_model_len}; "
             "lower --max-input-len or --max-output-len"
         )
-
-
-def drive(engine, prompts: list[list[int]], params: list) -> list:
-    """Queue every request and step until all finish (what `LLM.generate` does, minus text)."""
-    seqs = [engine.add_request(ids, p) for ids, p in zip(prompts, params)]
-    while engine.has_unfinished():
-        engine.step()
-    return seqs
-
-
-def run_nanoserve(spec, model, stage: int, config: EngineConfig, workload: Workload) -> BenchResult:
-    """Build the stage's engine on `model`, warm it up, and time the whole workload."""
-    from nanoserve.layers.compiled import unfuse_small_ops
-    from nanoserve.llm_arguments import prefix_caching_components
-    from nanoserve.parallel.group import start_engine
-    from nanoserve.recipes.assemble import build_engine, recipe_for
-    from nanoserve.sampling import SamplingParams
-
-    device = spec.device
-    shards = recipe_for(stage).shards_model and config.tensor_parallel_size > 1
-    parts = prefix_caching_components(stage, config.enable_prefix_caching, None)
-    if shards:  # rank 0 and each worker build their own shard; the shared model sits idle
-        engine = start_engine(stage, config, spec, model.config.eos_token_ids, parts)
-    else:  # a stage before 09 runs on one rank, beside the sharded one in the same table
-        config = dataclasses.replace(config, tensor_parallel_size=1)
-        engine = build_engine(stage, config, spec, model.config.eos_token_ids, parts, model)
-    params = [
-        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m)
-        for m in [WARMUP_MAX_TOKENS, *workload.max_tokens]
-    ]
-    drive(engine, [workload.prompt_token_ids[0][:WARMUP_PROMPT_LEN]], params[:1])  # warm-up
-    preemptions_before = engine.scheduler.num_preemptions
-    prefill_before = engine.num_prefill_tokens
-    start = timer(device)
-    seqs = drive(engine, workload.prompt_token_ids, params[1:])
-    seconds = timer(device) - start
-    preemptions = engine.scheduler.num_preemptions - preemptions_before
-    prefill_tokens = engine.num_prefill_tokens - prefill_before
-    output_tokens = sum(seq.num_completion_tokens for seq in seqs)
-    ranks = f", tp {config.tensor_parallel_size}" if shards else ""
-    name = f"nanoserve stage {stage} ({engine.attention.name}{ranks})"
-    engine.shutdown()
-    unfuse_small_ops(model)  # stage 08 fused the shared model's small ops: the next stage must not
-    del engine, seqs
-    release_memory(device)
-    return BenchResult(name, output_tokens, seconds, preemptions, prefill_tokens=prefill_tokens)
 
 
 def describe(args, model, config: EngineConfig, workload: Workload) -> list[str]:
@@ -196,26 +164,67 @@ def bench_workload(args, vocab_size: int | None) -> Workload:
     return workload if vocab_size is None else workload.fold_ids(vocab_size)
 
 
+def check_bench_flags(args) -> None:
+    """The flags that say what to compare and how often, checked before anything loads."""
+    check_peer_path(args.peer_path, args.compare)
+    if args.serve or args.url:
+        served = "--serve" if args.serve else "--url"
+        if args.compare:
+            raise ValueError(f"argument --compare: {served} times nanoserve only")
+        if args.repeat > 1:
+            raise ValueError(f"argument --repeat: {served} runs once")
+
+
+def engine_runners(args, flags: CheckedFlags, spec, model, stages, workload, stack) -> list[Runner]:
+    """One runner per row of the table: each stage, then the peer or transformers. The peer's
+    folder (a temporary one, when it must be written) lives as long as `stack`."""
+    config = flags.config
+    runners: list[Runner] = [
+        functools.partial(run_nanoserve, spec, model, n, config, workload) for n in stages
+    ]
+    if args.compare == PEER:
+        from nanoserve.bench.peer import run_peer
+        from nanoserve.bench.peer_folder import peer_folder
+        from nanoserve.models.presets import PRESETS, preset_config
+
+        hf_config = preset_config(flags.source) if flags.source in PRESETS else None
+        folder = stack.enter_context(peer_folder(flags.source, model, hf_config))
+        runners.append(functools.partial(run_peer, folder, config, workload, args.peer_path))
+    elif args.compare == "hf":
+        from nanoserve.bench.hf import run_transformers
+
+        hf = functools.partial(run_transformers, args.model, model, workload, args.hf_batch_size)
+        runners.append(hf)
+    return runners
+
+
 def run_bench(args) -> int:
     """Run the benchmark the options describe, print the table (and write JSON); returns 0."""
     stages = checked_stages(args)
+    check_bench_flags(args)
     if args.serve or args.url:
         return run_serve_bench(args, stages)
     flags = check_engine_flags(args, stages)
+    if args.compare == PEER:
+        check_peer(flags, args.peer_path)
     workload = bench_workload(args, flags.model_config.vocab_size)
     check_fits(flags.config, workload)
-    config = flags.config
     spec, model = load_bench_model(flags)
-    header = describe(args, model, config, workload)
+    header = describe(args, model, flags.config, workload)
     print("\n".join(header), flush=True)
-    results = [run_nanoserve(spec, model, stage, config, workload) for stage in stages]
-    if args.compare == "hf":
-        from nanoserve.bench.hf import run_transformers
 
-        results.append(run_transformers(args.model, model, workload, args.hf_batch_size))
-    print("\n".join(format_table(results)))
+    def progress(round_number: int, result: BenchResult) -> None:
+        print(run_line(round_number, args.repeat, result), flush=True)
+
+    with contextlib.ExitStack() as stack:
+        runners = engine_runners(args, flags, spec, model, stages, workload, stack)
+        runs = run_rounds(runners, args.repeat, progress if args.repeat > 1 else None)
+    results = [median_run(engine_runs) for engine_runs in runs]
+    notes = [f"note: {runs_note(engine_runs)}" for engine_runs in runs if len(engine_runs) > 1]
+    print("\n".join(format_table(results) + notes))
     if args.json:
-        write_json(args.json, bench_report(args, header, stages, results, spec.device))
+        report = bench_report(args, header, stages, results, spec.device, runs=runs)
+        write_json(args.json, report)
     return 0
 
 

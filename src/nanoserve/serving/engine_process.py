@@ -103,13 +103,15 @@ class EngineClient:
     ):
         """Check and describe the model here; `start` builds its engine in a new process."""
         from nanoserve.config import engine_config_for
+        from nanoserve.llm_arguments import resolve_device
         from nanoserve.models.loader import load_model_config, load_tokenizer, model_source
         from nanoserve.stages import latest_stage, require_implemented
 
         self.stage = latest_stage() if stage is None else require_implemented(stage)
         source = model_source(model)
         self.tokenizer = load_tokenizer(source)
-        self.config = engine_config_for(load_model_config(source), **engine_options)
+        model_config = load_model_config(source)  # the engine process's config, as it will be
+        self.config = engine_config_for(model_config, resolve_device(device), **engine_options)
         self.model = model
         self.llm_options = dict(
             stage=self.stage.number, device=device, dtype=dtype, **engine_options

@@ -1,0 +1,79 @@
+"""nanoserve's side of `nanoserve bench`: a stage's engine on the workload, timed.
+
+Introduced in stage 04 (moved out of bench/run.py beside the peer comparison). The model is loaded
+once and shared by every stage's engine; each run builds its engine, warms it up with one short
+request, times the whole workload and frees the engine again. It prints and compares nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from nanoserve.bench.workload import (
+    WARMUP_MAX_TOKENS,
+    WARMUP_PROMPT_LEN,
+    BenchResult,
+    Workload,
+    release_memory,
+    timer,
+)
+from nanoserve.config import EngineConfig
+from nanoserve.options import CheckedFlags
+from nanoserve.types import ModelSpec
+
+
+def load_bench_model(flags: CheckedFlags):
+    """(spec, model): the checked --model on the --device in the --dtype.
+
+    Loaded once and reused by every stage's engine, so each runs on the very same weights.
+    """
+    from nanoserve.models.loader import load_model
+
+    spec = ModelSpec(flags.source, flags.dtype, flags.device)
+    return spec, load_model(spec.source, spec.device, spec.dtype)
+
+
+def drive(engine, prompts: list[list[int]], params: list) -> list:
+    """Queue every request and step until all finish (what `LLM.generate` does, minus text)."""
+    seqs = [engine.add_request(ids, p) for ids, p in zip(prompts, params)]
+    while engine.has_unfinished():
+        engine.step()
+    return seqs
+
+
+def run_nanoserve(spec, model, stage: int, config: EngineConfig, workload: Workload) -> BenchResult:
+    """Build the stage's engine on `model`, warm it up, and time the whole workload."""
+    from nanoserve.layers.compiled import unfuse_small_ops
+    from nanoserve.llm_arguments import prefix_caching_components
+    from nanoserve.parallel.group import start_engine
+    from nanoserve.recipes.assemble import build_engine, recipe_for
+    from nanoserve.sampling import SamplingParams
+
+    device = spec.device
+    shards = recipe_for(stage).shards_model and config.tensor_parallel_size > 1
+    parts = prefix_caching_components(stage, config.enable_prefix_caching, None)
+    if shards:  # rank 0 and each worker build their own shard; the shared model sits idle
+        engine = start_engine(stage, config, spec, model.config.eos_token_ids, parts)
+    else:  # a stage before 09 runs on one rank, beside the sharded one in the same table
+        config = dataclasses.replace(config, tensor_parallel_size=1)
+        engine = build_engine(stage, config, spec, model.config.eos_token_ids, parts, model)
+    params = [
+        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m)
+        for m in [WARMUP_MAX_TOKENS, *workload.max_tokens]
+    ]
+    drive(engine, [workload.prompt_token_ids[0][:WARMUP_PROMPT_LEN]], params[:1])  # warm-up
+    preemptions_before = engine.scheduler.num_preemptions
+    prefill_before = engine.num_prefill_tokens
+    start = timer(device)
+    seqs = drive(engine, workload.prompt_token_ids, params[1:])
+    seconds = timer(device) - start
+    preemptions = engine.scheduler.num_preemptions - preemptions_before
+    prefill_tokens = engine.num_prefill_tokens - prefill_before
+    output_tokens = sum(seq.num_completion_tokens for seq in seqs)
+    ranks = f", tp {config.tensor_parallel_size}" if shards else ""
+    name = f"nanoserve stage {stage} ({engine.attention.name}{ranks})"
+    engine.shutdown()
+    unfuse_small_ops(model)  # stage 08 fused the shared model's small ops: the next stage must not
+    del engine, seqs
+    release_memory(device)
+    return BenchResult(name, output_tokens, seconds, preemptions, prefill_tokens=prefill_tokens)
