@@ -73,7 +73,7 @@ class Stamps:
 
 
 def profile(args, stage: int) -> dict:
-    llm = LLM(args.model, stage=stage, max_num_seqs=max(args.batch, 1))
+    llm = LLM(args.model, stage=stage, max_num_seqs=max(args.batch, 1), max_model_len=4096)
     engine, runner = llm.engine, llm.engine.runner
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.steps + 64)
     for i in range(args.batch):
