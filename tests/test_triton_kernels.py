@@ -191,6 +191,20 @@ def test_prefill_longer_than_one_query_tile_and_one_key_tile():
     assert_close(got, want, torch.float32)
 
 
+@pytest.mark.parametrize(("block_m", "block_n"), [(16, 16), (32, 16), (16, 32)])
+def test_prefill_splits_full_and_diagonal_key_tiles_on_any_prefix(block_m, block_n):
+    # The cached prefixes put each query tile's first row at offsets 0, 1, 14 and 15 from a
+    # 16-key boundary and 14, 15, 30 and 31 from a 32-key one: the unmasked full tiles end right
+    # at the first row, one or two keys before it, or a whole tile before. The query tiles run
+    # from the last; the 3-token prompt has fewer of them than the grid and returns early.
+    q_lens = [20, 33, 3, 17, 40, 35, 18]
+    prefix = [0, 1, 14, 15, 30, 31, 47]
+    lens = [q + p for q, p in zip(q_lens, prefix)]
+    batch = PagedBatch(lens, Heads(2, 1, 16), block_size=4, dtype=torch.float64)
+    got, want = run_prefill(batch, q_lens, block_m=block_m, block_n=block_n)
+    assert_close(got, want, torch.float64)
+
+
 # ---------------------------------------------------------------------------------------------
 # Stage 06: decode
 # ---------------------------------------------------------------------------------------------
