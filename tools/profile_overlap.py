@@ -119,7 +119,7 @@ def profile(args, stage: int) -> dict:
         result["busy_ms"] = statistics.median(busy)
         result["exposed_host_ms"] = result["wall_ms"] - result["busy_ms"]
     engine.shutdown()
-    return result
+    return result  # one stage per process on a GPU: each engine sizes its pool from what is free
 
 
 def main() -> None:
