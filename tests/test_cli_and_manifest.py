@@ -13,9 +13,9 @@ from .conftest import needs_smollm2
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_manifest_lists_all_eleven_stages_in_order():
-    assert [s.number for s in STAGES] == list(range(11))
-    assert [s.stem[:2] for s in STAGES] == [f"{n:02d}" for n in range(11)]
+def test_manifest_lists_all_twelve_stages_in_order():
+    assert [s.number for s in STAGES] == list(range(12))
+    assert [s.stem[:2] for s in STAGES] == [f"{n:02d}" for n in range(12)]
 
 
 def test_every_reference_module_of_an_implemented_stage_exists():

@@ -15,6 +15,8 @@ from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.block_table import BlockPosition, BlockTable
 from nanoserve.engine.cuda_graphs import bucket_for, fill_static, graph_buckets
 from nanoserve.engine.input_packer import pad_decode, prepare_decode, prepare_prefill
+from nanoserve.engine.overlap_engine import OverlapEngine, OverlapScheduler
+from nanoserve.engine.persistent_batch import PersistentBatch
 from nanoserve.engine.prefix_block_manager import PrefixBlockManager, chain_hash
 from nanoserve.engine.slab_manager import SlabManager
 from nanoserve.kernels.attention import attend
@@ -68,6 +70,11 @@ _API: dict[int, dict[str, Any]] = {
         "ParallelLMHead": embedding.ParallelLMHead,
     },
     10: {"AsyncEngine": AsyncEngine},
+    11: {
+        "PersistentBatch": PersistentBatch,
+        "OverlapScheduler": OverlapScheduler,
+        "OverlapEngine": OverlapEngine,
+    },
 }
 
 
