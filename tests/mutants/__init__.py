@@ -155,6 +155,7 @@ def all_mutants() -> list[Mutant]:
         stage_08,
         stage_09,
         stage_10,
+        stage_11,
     )
 
     stages = (
@@ -168,6 +169,7 @@ def all_mutants() -> list[Mutant]:
         stage_08,
         stage_09,
         stage_10,
+        stage_11,
     )
     return [m for stage in stages for m in stage.MUTANTS]
 
