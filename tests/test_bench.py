@@ -188,7 +188,7 @@ def test_a_served_report_with_an_unbounded_rate_is_strict_json(tmp_path):
 @pytest.mark.parametrize(
     ("argv", "option"),
     [
-        (["--stage", "11"], "--stage"),  # past the manifest
+        (["--stage", "12"], "--stage"),  # past the manifest
         (["--model", "no-such-model"], "--model"),
         (["--device", "gpu"], "--device"),
         (["--max-model-len", "16"], "--max-model-len"),

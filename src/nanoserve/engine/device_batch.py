@@ -36,6 +36,7 @@ class DeviceBatch:
         self.block_size, self.device = block_size, torch.device(device)
         self.width = table_width
         self.capacity = 0
+        self.sampled: list[bool] = []  # per row: its owner has sampled on the device (see prime)
         self._seeds = random.Random()  # an unseeded request gets a fresh seed (see write_params)
         self.block_tables = torch.empty(0, table_width, dtype=torch.int32, device=self.device)
         self.seq_lens = self._ints(0, torch.int32)  # tokens the row's next decode attends over
@@ -62,6 +63,7 @@ class DeviceBatch:
         self.seq_lens, self.next_token_ids = grown(self.seq_lens, 0), grown(self.next_token_ids, 0)
         self.temperature, self.top_p = grown(self.temperature, 0.0), grown(self.top_p, 1.0)
         self.top_k, self.seeds = grown(self.top_k, 0), grown(self.seeds, 0)
+        self.sampled += [False] * (capacity - old)
         self.capacity = capacity
 
     def write_params(self, row: int, params: SamplingParams) -> None:
@@ -72,6 +74,20 @@ class DeviceBatch:
         self.top_k[row] = params.top_k or 0
         self.top_p[row] = params.top_p
         self.seeds[row] = seed - 2**64 if seed >= 2**63 else seed  # the same 64 bits, signed
+        self.sampled[row] = False  # a new owner: nothing of it on the device yet
+
+    def prime(self, rows: list[int], seqs: Seq[Sequence]) -> None:
+        """Before a decode step: a row whose owner never sampled on the device (the last token of
+        a chunked prompt is computed by a decode step) gets its next token and length from the
+        host, which knows them. A row that sampled already holds both."""
+        fresh = [(row, seq) for row, seq in zip(rows, seqs) if not self.sampled[row]]
+        if not fresh:
+            return
+        values = [r for r, _ in fresh] + [s.last_token_id for _, s in fresh]
+        packed = to_device_ints(values + [len(s) for _, s in fresh], self.device)
+        n = len(fresh)
+        self.next_token_ids[packed[:n]] = packed[n : 2 * n]
+        self.seq_lens[packed[:n]] = packed[2 * n :].to(torch.int32)
 
     def upload(
         self, rows: list[int], changed_rows: list[int], columns: list[int], blocks: list[int]

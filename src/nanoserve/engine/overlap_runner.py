@@ -65,10 +65,12 @@ class OverlapRunner(ModelRunner):
         """Queue the batch's forward and sampling on the device; wait for nothing."""
         seqs = batch.seqs
         rows = self.state.send(seqs)
+        host_rows = [self.state.row_of(seq) for seq in seqs]
         replay = False
         if batch.is_prefill:
             inputs = self.packer.prepare(batch)
         else:
+            self.state.prime(host_rows, seqs)
             inputs, replay = self.decode_inputs(seqs, rows)
         with self.fan_out(batch):
             if self.workers is not None and not batch.is_prefill:
@@ -90,6 +92,8 @@ class OverlapRunner(ModelRunner):
         filters = any(needs_filter(seqs[i]) for i in sampled)
         tokens = sample(logits, self.state.sampling(rows, positions, filters))
         self.state.record(rows, tokens, positions + 1)
+        for i in sampled:
+            self.state.sampled[host_rows[i]] = True
         return Launched(batch, inputs, sampled, *to_host(tokens))
 
     def decode_inputs(self, seqs: list[Sequence], rows: torch.Tensor) -> tuple[StepInputs, bool]:

@@ -18,9 +18,9 @@ from nanoserve.recipes.recipe import EngineParts, Sizing
 
 
 def build(config: EngineConfig, sizing: Sizing, parts: dict, backend: str) -> EngineParts:
-    """Stage 07's manager, pool and kernels; a persistent batch of max_num_seqs rows (it grows
+    """Stage 07's manager (or the one parts names), pool and kernels; a persistent batch of max_num_seqs rows (it grows
     if more run) as wide as the longest table; the learner's overlap loop (or ours)."""
-    built = prefix_cache.build(config, sizing, {}, backend)
+    built = prefix_cache.build(config, sizing, parts, backend)  # reads PrefixBlockManager
     width = table_width(config.max_model_len, config.block_size)
     state = parts.get("PersistentBatch", PersistentBatch)(
         config.max_num_seqs, width, config.block_size, sizing.device
@@ -29,5 +29,8 @@ def build(config: EngineConfig, sizing: Sizing, parts: dict, backend: str) -> En
 
 
 RECIPE = dataclasses.replace(
-    tensor_parallel.RECIPE, build=build, parts=("PersistentBatch", "OverlapEngine")
+    tensor_parallel.RECIPE,
+    build=build,
+    # stage 07's manager stays replaceable (enable_prefix_caching=False puts stage 04's there)
+    parts=("PersistentBatch", "OverlapEngine", "PrefixBlockManager"),
 )
