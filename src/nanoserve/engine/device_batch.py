@@ -23,9 +23,10 @@ import numpy as np
 import torch
 
 from nanoserve.device_sampler import SamplingTensors
+from nanoserve.engine.graph_buffers import static_decode_inputs
 from nanoserve.engine.step_tensors import to_device
 from nanoserve.sampling import SamplingParams
-from nanoserve.types import AttentionMetadata, HostMetadata, Sequence, StepInputs
+from nanoserve.types import HostMetadata, Sequence, StepInputs
 
 
 class DeviceBatch:
@@ -114,7 +115,7 @@ class DeviceBatch:
         host = HostMetadata(list(range(n + 1)), lens, [seq.block_table for seq in seqs])
         if out is None:  # as wide as the longest table (the torch paths gather every column)
             width = max(map(len, host.block_tables), default=0)
-            out = empty_decode_inputs(n, width, self.device)
+            out = static_decode_inputs(n, width, self.device)
         bucket, width = out.metadata.block_tables.shape
         md = out.metadata
         ctx = self.seq_lens[rows]
@@ -155,21 +156,3 @@ class DeviceBatch:
 def to_device_ints(values: list[int], device) -> torch.Tensor:
     """A list of ints as an int64 tensor on device (through pinned memory, without waiting)."""
     return to_device(np.asarray(values, dtype=np.int64), device)
-
-
-def empty_decode_inputs(n: int, width: int, device) -> StepInputs:
-    """Uninitialised decode inputs of n rows (decode_inputs writes every element it reads)."""
-    ints = dict(dtype=torch.int32, device=device)
-    metadata = AttentionMetadata(
-        is_prefill=False,
-        cu_seqlens_q=torch.arange(n + 1, **ints),
-        cu_seqlens_k=torch.zeros(n + 1, **ints),
-        max_seqlen_q=1,
-        max_seqlen_k=0,
-        slot_mapping=torch.empty(n, dtype=torch.int64, device=device),
-        context_lens=torch.empty(n, **ints),
-        block_tables=torch.empty(n, width, **ints),
-        host=HostMetadata([], [], []),
-    )
-    longs = dict(dtype=torch.int64, device=device)
-    return StepInputs(torch.empty(n, **longs), torch.empty(n, **longs), metadata)

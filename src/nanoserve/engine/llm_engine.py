@@ -79,13 +79,17 @@ class LLMEngine:
         except BaseException:  # an error or an interrupt inside the forward pass
             self.scheduler.undo(batch)
             raise
+        self.count_step(batch, inputs, num_preempted_before)
+        return self.scheduler.postprocess(batch, token_ids, self.eos_ids)
+
+    def count_step(self, batch, inputs, num_preempted_before: int) -> None:
+        """One more step run: the counters, and the on_step callback (e.g. --trace) told."""
         self.num_steps += 1
         if batch.is_prefill:
             self.num_prefill_tokens += sum(seq.num_scheduled_tokens for seq in batch.seqs)
         if self.on_step is not None:
             num_preempted = self.scheduler.num_preemptions - num_preempted_before
             self.on_step(StepRecord(self.num_steps, batch, inputs, num_preempted))
-        return self.scheduler.postprocess(batch, token_ids, self.eos_ids)
 
     def abort(self, seqs: Iterable[Sequence]) -> None:
         """Remove these requests from the queues and free their memory (finished ones: no-op)."""

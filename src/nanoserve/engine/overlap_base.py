@@ -14,7 +14,6 @@ from nanoserve.engine.kv_manager import KVCacheManager
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.overlap_runner import Launched, OverlapRunner
 from nanoserve.engine.scheduler import Scheduler
-from nanoserve.engine.trace import StepRecord
 from nanoserve.types import Sequence, SequenceStatus
 
 
@@ -75,12 +74,7 @@ class OverlapEngineBase(LLMEngine):
                 if seq.status is SequenceStatus.WAITING:
                     self.runner.state.release(seq)
             raise
-        self.num_steps += 1
-        if batch.is_prefill:
-            self.num_prefill_tokens += sum(seq.num_scheduled_tokens for seq in batch.seqs)
-        if self.on_step is not None:
-            num_preempted = self.scheduler.num_preemptions - num_preempted_before
-            self.on_step(StepRecord(self.num_steps, batch, launched.inputs, num_preempted))
+        self.count_step(batch, launched.inputs, num_preempted_before)
         return launched
 
     def abort(self, seqs) -> None:

@@ -18,8 +18,9 @@ from nanoserve.recipes.recipe import EngineParts, Sizing
 
 
 def build(config: EngineConfig, sizing: Sizing, parts: dict, backend: str) -> EngineParts:
-    """Stage 07's manager (or the one parts names), pool and kernels; a persistent batch of max_num_seqs rows (it grows
-    if more run) as wide as the longest table; the learner's overlap loop (or ours)."""
+    """Stage 07's manager (or the one parts names), pool and kernels; a persistent batch of
+    max_num_seqs rows (it grows if more run) as wide as the longest table; the learner's overlap
+    loop (or ours)."""
     built = prefix_cache.build(config, sizing, parts, backend)  # reads PrefixBlockManager
     width = table_width(config.max_model_len, config.block_size)
     state = parts.get("PersistentBatch", PersistentBatch)(
