@@ -45,7 +45,7 @@ lint: $(VENV)/.dev-deps
 # The build also executes the notebooks (mkdocs-jupyter), once, to show their figures on the site:
 # a cell that raises fails it, so this is where CI runs them.
 docs: $(VENV)/.dev-deps
-	$(BIN)/mkdocs build --strict -q -d $(VENV)/site
+	$(BIN)/mkdocs build --strict -d $(VENV)/site  # no -q: it hides the warnings --strict counts
 
 pytest: $(VENV)/.dev-deps
 	OMP_NUM_THREADS=1 $(BIN)/pytest -n 2 -q
