@@ -1,5 +1,7 @@
 """`--trace` shows each step's batch, block tables, slots and free blocks, from the live engine."""
 
+import pytest
+
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine.trace import format_step
 
@@ -12,11 +14,12 @@ def traced(llm: LLM, prompts, max_tokens: int) -> list[str]:
     return lines
 
 
-def test_trace_shows_prefill_then_decode_with_the_slots_written(tiny_checkpoints):
+@pytest.mark.parametrize("stage", [4, 11])  # stage 11 traces each step as it is launched
+def test_trace_shows_prefill_then_decode_with_the_slots_written(tiny_checkpoints, stage):
     folder, _ = tiny_checkpoints["llama"]
     llm = LLM(
         str(folder),
-        stage=4,
+        stage=stage,
         device="cpu",
         dtype="float64",
         block_size=4,
