@@ -8,14 +8,19 @@ reach the host, so sampling must be one batch of tensor ops over per-row tensors
                  picks token i with probability softmax(logits / T)_i, exactly.
 
     counter-based randomness:  u_i = hash(seed, position, i)      (no generator state at all)
-        row r, position p:  key = mix(seed_r ^ mix(p))    then  u_i = to_unit(mix(key + i * G))
+        row r, position p:  key = mix64(seed_r ^ mix64(p))    (64 bits, once per row)
+        token i:            u_i = to_unit(mix32(low32(key) + i * G32))   (32 bits, per token)
 
 So a seeded request's draw depends on its seed, the position of the token it samples and
 nothing else: the same tokens whatever else is in its batch and however the batch is split.
 Greedy rows (temperature 0, or top_k 1) take the argmax, the same token as `Sampler`. Seeded
 sampling is a new random stream: a seed gives other tokens here than under `Sampler`, drawn from
 the same distribution (tests/test_device_sampler.py checks it by chi-square). Unseeded rows use a
-seed the caller draws once per step. It does no penalties and no logprobs.
+seed drawn when the request takes its row. It does no penalties and no logprobs.
+
+The per-token hash is 32-bit (lowbias32, Chris Wellons' finalizer) because it runs V times per
+row: on a CPU, torch's 32-bit lanes do it in half the time of 64-bit ones, and on a GPU
+kernels/gumbel.py computes the same bits in one pass.
 """
 
 from __future__ import annotations
@@ -51,16 +56,36 @@ def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return mix64(seeds ^ mix64(positions))
 
 
-def uniforms(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """(B, V) float32 in (0, 1): u[r, i] = to_unit(mix64(keys[r] + i * GOLDEN)).
+_GOLDEN_32 = 0x9E3779B9 - 2**32  # the 32-bit golden ratio and lowbias32's multipliers, signed
+_LOWBIAS_1 = 0x7FEB352D
+_LOWBIAS_2 = 0x846CA68B - 2**32
 
-    23 random bits each, centred in their bin: (n + 0.5) / 2**23 is exact in float32 (24
-    significant bits), so u is never 0 or 1 and both logs of the Gumbel noise stay finite (with
-    24 bits the top bin would round to 1.0: noise +inf). The noise then spans about [-2.8, 16.6].
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 on int32 tensors, in place: a bijection of 32 bits that spreads every input bit
+    (torch's int32 arithmetic wraps like the unsigned one it stands for; shifts are masked)."""
+    x ^= (x >> 16) & 0xFFFF
+    x *= _LOWBIAS_1
+    x ^= (x >> 15) & 0x1FFFF
+    x *= _LOWBIAS_2
+    x ^= (x >> 16) & 0xFFFF
+    return x
+
+
+def uniforms(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(B, V) float32 in (0, 1): u[r, i] = to_unit(mix32(low32(keys[r]) + i * G32)).
+
+    23 random bits each (the top 23 of the hash), centred in their bin: (n + 0.5) / 2**23 is
+    exact in float32 (24 significant bits), so u is never 0 or 1 and both logs of the Gumbel
+    noise stay finite (with 24 bits the top bin would round to 1.0: noise +inf). The noise then
+    spans about [-2.8, 16.6]. Within a row the inputs differ for every token, and mix32 is a
+    bijection, so no two tokens of a row share their bits.
     """
-    tokens = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)
-    bits = _shift_right(mix64(keys[:, None] + tokens[None, :] * _GOLDEN), 41)  # the top 23 bits
-    return (bits.float() + 0.5) / 2.0**23
+    low = ((keys & 0xFFFFFFFF) - ((keys & 0x80000000) << 1)).to(torch.int32)  # low 32, signed
+    tokens = torch.arange(vocab_size, device=keys.device, dtype=torch.int32) * _GOLDEN_32
+    bits = mix32(low[:, None] + tokens[None, :])
+    bits = (bits >> 9) & 0x7FFFFF  # the top 23 bits
+    return bits.float().add_(0.5).mul_(1.0 / 2**23)
 
 
 class SamplingTensors(NamedTuple):
@@ -124,7 +149,7 @@ def gumbel_argmax(
     """
     greedy = temperature == 0
     divisor = torch.where(greedy, 1.0, temperature)[:, None]
-    noise = -torch.log(-torch.log(uniforms(keys, logits.shape[-1])))
+    noise = uniforms(keys, logits.shape[-1]).log_().neg_().log_().neg_()  # -log(-log(u))
     drawn = (logits.float() / divisor + noise).argmax(dim=-1)
     return torch.where(greedy, logits.argmax(dim=-1), drawn)  # greedy: in the logits' own dtype
 
