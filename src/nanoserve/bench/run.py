@@ -19,6 +19,7 @@ from collections.abc import Callable
 from nanoserve.bench import serve
 from nanoserve.bench.nanoserve_engine import load_bench_model, run_nanoserve
 from nanoserve.bench.peer import PEER, check_peer, check_peer_path
+from nanoserve.bench.plot import check_plot, plot_report
 from nanoserve.bench.report import bench_report, write_json
 from nanoserve.bench.rounds import median_run, run_line, run_rounds, runs_note
 from nanoserve.bench.workload import (
@@ -90,6 +91,13 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         "--hf-batch-size", type=positive_int, default=None, help="CPU (default: all requests)"
     )
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="PATH",
+        help="also draw throughput (and served latencies) into this image, e.g. bench.png "
+        "(needs matplotlib)",
+    )
     serve.add_serve_bench_args(p)
     add_engine_source_args(p, many_stages=True)
     return p
@@ -202,6 +210,7 @@ def run_bench(args) -> int:
     """Run the benchmark the options describe, print the table (and write JSON); returns 0."""
     stages = checked_stages(args)
     check_bench_flags(args)
+    check_plot(args.plot)
     if args.serve or args.url:
         return run_serve_bench(args, stages)
     flags = check_engine_flags(args, stages)
@@ -222,10 +231,16 @@ def run_bench(args) -> int:
     results = [median_run(engine_runs) for engine_runs in runs]
     notes = [f"note: {runs_note(engine_runs)}" for engine_runs in runs if len(engine_runs) > 1]
     print("\n".join(format_table(results) + notes))
-    if args.json:
-        report = bench_report(args, header, stages, results, spec.device, runs=runs)
-        write_json(args.json, report)
+    write_outputs(args, bench_report(args, header, stages, results, spec.device, runs=runs))
     return 0
+
+
+def write_outputs(args, report: dict) -> None:
+    """The report as --json and as --plot, where asked for."""
+    if args.json:
+        write_json(args.json, report)
+    if args.plot:
+        plot_report(report, args.plot)
 
 
 def run_serve_bench(args, stages: list[int]) -> int:
@@ -260,7 +275,6 @@ def run_serve_bench(args, stages: list[int]) -> int:
         offline, served = results
         lines.append(serve.overhead_line(offline, served, args.request_rate))
     print("\n".join(lines))
-    if args.json:
-        header += lines[len(results) + 1 :]
-        write_json(args.json, bench_report(args, header, stages, results, device, timings))
+    header += lines[len(results) + 1 :]
+    write_outputs(args, bench_report(args, header, stages, results, device, timings))
     return 0
