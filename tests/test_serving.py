@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import re
 import threading
@@ -466,6 +467,12 @@ def test_bench_serve_counts_overhead_only_when_every_request_arrives_at_once():
     offline, served = BenchResult("offline", 1000, 10.0, 0), BenchResult("served", 1000, 12.5, None)
     assert overhead_line(offline, served, float("inf")).endswith(" 20.0% of offline throughput")
     assert "not measured" in overhead_line(offline, served, 40.0)
+    capped = overhead_line(offline, served, float("inf"), max_concurrency=4)
+    assert "not measured: --max-concurrency 4" in capped
+    short = BenchResult("served", 990, 12.5, None)
+    assert "not measured: the served run produced 990" in overhead_line(offline, short, math.inf)
+    faster = overhead_line(offline, BenchResult("served", 1000, 9.0, None), math.inf)
+    assert "-11.1%" in faster and "negative: the served run was faster" in faster
 
 
 def test_bench_serve_schedules_seeded_arrivals_and_shares_them_out_exactly():

@@ -273,7 +273,7 @@ def run_serve_bench(args, stages: list[int]) -> int:
     lines = format_table(results) + serve.latency_lines(timings)
     if len(results) == 2:
         offline, served = results
-        lines.append(serve.overhead_line(offline, served, args.request_rate))
+        lines.append(serve.overhead_line(offline, served, args.request_rate, args.max_concurrency))
     print("\n".join(lines))
     header += lines[len(results) + 1 :]
     write_outputs(args, bench_report(args, header, stages, results, device, timings))

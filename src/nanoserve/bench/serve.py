@@ -190,16 +190,32 @@ def latency_lines(timings: list[Timing]) -> list[str]:
     ]
 
 
-def overhead_line(offline: BenchResult, served: BenchResult, rate: float) -> str:
-    """How much throughput serving costs against the offline engine on the same requests.
+def overhead_line(
+    offline: BenchResult, served: BenchResult, rate: float, max_concurrency: int | None = None
+) -> str:
+    """How much throughput serving costs against the offline engine on the same requests, or
+    why the two rows do not compare (then no number is printed).
 
-    Only arrivals all at once compare: offline has every request from the start, so a served
-    run paced by its arrivals would count the waiting for requests as overhead.
+    Only like for like compares: every request arriving at once (offline has them all from the
+    start, so a served run paced by its arrivals would count the waiting as overhead), no cap on
+    concurrent requests (offline batches them all), and the same output tokens (a served request
+    that failed or was cut makes the served row smaller work, not faster serving).
     """
+    why_not = None
     if rate != math.inf:
-        return (
-            f"serving overhead      not measured: the arrivals ({rate:g}/s) pace the served "
-            f"run, and offline has every request at once"
+        why_not = f"the arrivals ({rate:g}/s) pace the served run, and offline has every request"
+        why_not += " at once"
+    elif max_concurrency is not None:
+        why_not = f"--max-concurrency {max_concurrency} caps the served batch; offline batches all"
+    elif served.output_tokens != offline.output_tokens:
+        why_not = (
+            f"the served run produced {served.output_tokens:,} output tokens and offline "
+            f"{offline.output_tokens:,}: not the same work"
         )
+    if why_not is not None:
+        return f"serving overhead      not measured: {why_not}"
     overhead = 1 - served.tokens_per_s / offline.tokens_per_s
-    return f"serving overhead      {overhead:.1%} of offline throughput"
+    line = f"serving overhead      {overhead:.1%} of offline throughput"
+    if overhead < 0:  # served faster than offline: noise between two single runs, not a gain
+        line += " (negative: the served run was faster; compare medians of --repeat runs)"
+    return line
