@@ -1,0 +1,92 @@
+"""A learner's stage file inside the engine: what `--impl` means to generate, chat, serve, bench.
+
+Introduced with `--impl` on the engine commands (after stage 11). The file is loaded exactly as
+`nanoserve check` loads it (`grading.load_impl`); its names that the stage's recipe can replace
+become `components=`, and stage 10's `AsyncEngine` becomes the server's loop. It builds nothing:
+a file the engine has no place for (kernels graded alone, sharded layers) is a one-line
+ValueError that says how to grade it instead.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from nanoserve import grading
+from nanoserve.recipes.assemble import recipe_for
+from nanoserve.stages import get_stage, implemented_stages
+
+LOOP_NAME = "AsyncEngine"  # stage 10's learner writes the server's loop, not a part of the engine
+
+
+class LearnerParts(NamedTuple):
+    """What of one stage's learner file runs, and in which stage's engine."""
+
+    impl: str  # normalised: ref, starter, an absolute path or a dotted module
+    file_stage: int  # the stage whose API the file defines
+    engine_stage: int  # the engine it runs in (stage 02's allocator: stage 03's)
+    components: dict[str, Any]  # recipe part name -> the learner's object, for LLM(components=)
+    loop: type | None = None  # stage 10: the learner's AsyncEngine, run by `serve`
+
+    @property
+    def label(self) -> str:
+        """`my_prefix.py`, `starter`, `ref`: the file as a table row or a banner names it."""
+        return Path(self.impl).name if grading.is_path_like(self.impl) else self.impl
+
+    def describe(self) -> str:
+        """One line: whose pieces run where, e.g. "PrefixBlockManager from my_prefix.py"."""
+        names = [*self.components, *([LOOP_NAME] if self.loop else [])]
+        return f"{', '.join(names)} from {self.label}"
+
+
+def learner_parts(stage: int, impl: str, base=None) -> LearnerParts:
+    """Stage `stage`'s file `impl`, sorted into engine parts and a server loop.
+
+    ImplementationError (one line, as `nanoserve check` says it) for a file that cannot be
+    loaded; ValueError when no engine can run any of it. A stage whose own engine has no place
+    for its names runs them in the first later engine that has (stage 02 -> 03).
+    """
+    impl = grading.normalize_impl(impl, base)
+    api = vars(grading.load_impl(stage, impl))
+    for engine_stage in [stage, *(s.number for s in implemented_stages() if s.number > stage)]:
+        parts = recipe_for(engine_stage).parts
+        taken = {name: value for name, value in api.items() if name in parts}
+        if taken:
+            return LearnerParts(impl, stage, engine_stage, taken)
+    if LOOP_NAME in api:
+        return LearnerParts(impl, stage, stage, {}, api[LOOP_NAME])
+    raise ValueError(nothing_to_run(stage, impl, list(api)))
+
+
+def nothing_to_run(stage: int, impl: str, names: list[str]) -> str:
+    """Why a stage's file cannot run inside an engine, and the command that grades it."""
+    takes = recipe_for(stage).parts
+    engine = f"its engine takes {', '.join(takes)}" if takes else "its engine takes no part"
+    return (
+        f"--impl {impl}: stage {get_stage(stage).stem}'s {', '.join(names)} are graded on their "
+        f"own, not run in an engine ({engine}); grade them with: nanoserve check {stage} "
+        f"--impl {impl}"
+    )
+
+
+def require_engine_parts(parts: LearnerParts, command: str) -> None:
+    """ValueError unless `parts` has something the engine itself runs (`serve` alone runs a
+    loop)."""
+    if parts.components or command == "serve":
+        return
+    raise ValueError(
+        f"--impl {parts.impl}: stage {get_stage(parts.file_stage).stem}'s {LOOP_NAME} is a "
+        f"server's loop, not a part of the engine: run it with nanoserve serve --stage "
+        f"{parts.file_stage} --impl {parts.impl} (or bench --serve)"
+    )
+
+
+def announce(parts: LearnerParts) -> str | None:
+    """A line for stderr when the pieces run in a later stage's engine than the one asked for."""
+    if parts.engine_stage == parts.file_stage:
+        return None
+    return (
+        f"--impl: stage {get_stage(parts.file_stage).stem}'s engine has no place for "
+        f"{', '.join(parts.components)}; it runs in stage "
+        f"{get_stage(parts.engine_stage).stem}'s engine"
+    )
