@@ -260,3 +260,12 @@ def test_bench_serve_hands_your_file_to_the_server_it_starts(tmp_path):
     args = build_parser().parse_args(["bench", "--serve", "--stage", "10", "--impl", "my_loop.py"])
     command = serve_command(args, 10, "cpu", "float32", 8000)
     assert command[command.index("--impl") + 1] == str((tmp_path.cwd() / "my_loop.py").resolve())
+
+
+def test_chat_talks_through_your_block_table(folder, tmp_path, monkeypatch, capsys):
+    mine = learner_file(tmp_path, "my_table.py", MY_TABLE)
+    lines = iter(["hello", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    argv = ["chat", "--model", folder, "--stage", "3", *ENGINE, "--max-tokens", "3"]
+    status, out, _ = run([*argv, "--impl", mine], capsys)
+    assert status == 0 and "my BlockTable" in out and "bot> " in out

@@ -3,7 +3,7 @@
 Introduced in stage 00 (`check` with the grading harness, `bench` and `--trace` in stage 04,
 `serve` in stage 10).
 Each subcommand is a thin wrapper over the Python API; argument errors name the argument and
-what was expected.
+what was expected. `--impl` runs a learner's stage file inside the engine (learner_parts.py).
 """
 
 from __future__ import annotations

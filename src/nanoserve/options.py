@@ -1,7 +1,7 @@
 """The flags of every command that runs an engine, and the one place they are checked.
 
 Introduced in stage 04 (`generate`, `chat` and `bench` all take them; `serve` since stage 10).
-`add_engine_source_args` adds the model, stage, device, dtype and thread flags and every
+`add_engine_source_args` adds the model, stage, --impl, device, dtype and thread flags and every
 `EngineConfig` field as a `--flag` spelt as vLLM spells it; `check_engine_flags` checks them all
 before any weights load and words each refusal `argument --flag: why`, whichever command asked.
 It validates nothing itself: `EngineConfig`, `LLM`'s resolvers and the stage manifest do.
