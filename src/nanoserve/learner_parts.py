@@ -12,7 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import torch
+
 from nanoserve import grading
+from nanoserve.kernels.backend import check_triton_runs_on
 from nanoserve.recipes.assemble import recipe_for
 from nanoserve.stages import get_stage, implemented_stages
 
@@ -90,3 +93,38 @@ def announce(parts: LearnerParts) -> str | None:
         f"{', '.join(parts.components)}; it runs in stage "
         f"{get_stage(parts.engine_stage).stem}'s engine"
     )
+
+
+def checked_impl(args, stages: list[int], device: torch.device) -> LearnerParts:
+    """The command line's --impl, loaded before any weights; ValueError, one line, naming the
+    flag (options.check_engine_flags calls it).
+
+    A file whose parts run on one attention backend only (stages 05-06: Triton) picks it when
+    --attention-backend is auto, and is refused beside another."""
+    if len(stages) != 1:
+        raise ValueError("argument --impl: a learner's file is one stage's; name that stage alone")
+    if (getattr(args, "tensor_parallel_size", None) or 1) > 1:
+        raise ValueError(
+            "argument --impl: your pieces are loaded in this process only; the workers that "
+            "--tensor-parallel-size starts could not load them: leave it at 1"
+        )
+    try:
+        parts = learner_parts(stages[0], args.impl)
+    except grading.ImplementationError as err:  # the very line `nanoserve check` prints
+        raise ValueError(str(err)) from None
+    runs_on = recipe_for(parts.engine_stage).parts_run_on
+    if runs_on is None or not parts.components:
+        return parts
+    if args.attention_backend in (None, "auto"):
+        args.attention_backend = runs_on  # the backend the learner's pieces need
+    elif args.attention_backend != runs_on:
+        raise ValueError(
+            f"argument --attention-backend: {parts.describe()} runs only on the {runs_on} "
+            f"backend, not {args.attention_backend}"
+        )
+    if runs_on == "triton":
+        try:
+            check_triton_runs_on(device)
+        except ValueError as err:
+            raise ValueError(f"argument --impl: {err}") from None
+    return parts

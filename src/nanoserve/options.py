@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from nanoserve.config import EngineConfig, InvalidOption, engine_config_for
-from nanoserve.kernels.backend import BACKEND_NAMES, check_triton_runs_on
+from nanoserve.kernels.backend import BACKEND_NAMES
 from nanoserve.llm_arguments import (
     DTYPE_NAMES,
     prefix_caching_components,
@@ -31,7 +31,7 @@ from nanoserve.models.loader import load_model_config, model_source
 from nanoserve.models.registry import DEFAULT_MODEL
 from nanoserve.stages import require_implemented
 
-if TYPE_CHECKING:  # loading a learner's file imports every stage's API: only when --impl asks
+if TYPE_CHECKING:  # a learner's file imports every stage's API: only when --impl asks
     from nanoserve.learner_parts import LearnerParts
 
 
@@ -205,7 +205,11 @@ def check_engine_flags(args, stages: list[int]) -> CheckedFlags:
             require_implemented(stage)
     with refusing_as("--device"):
         device = resolve_device(args.device)
-    parts = checked_impl(args, stages, device)
+    parts = None
+    if getattr(args, "impl", None) is not None:
+        from nanoserve.learner_parts import checked_impl  # imports every stage's API: only here
+
+        parts = checked_impl(args, stages, device)
     stages = stages if parts is None else [parts.engine_stage]
     with refusing_as("--dtype"):
         dtype = resolve_dtype(args.dtype, device)
@@ -222,44 +226,6 @@ def check_engine_flags(args, stages: list[int]) -> CheckedFlags:
             components = None if parts is None else parts.components
             prefix_caching_components(stage, config.enable_prefix_caching, components)
     return CheckedFlags(source, model_config, device, dtype, config, parts)
-
-
-def checked_impl(args, stages: list[int], device: torch.device) -> LearnerParts | None:
-    """--impl loaded as `nanoserve check` loads it, before any weights (None when not given).
-
-    A file whose parts run only on one attention backend (stages 05-06: Triton) picks it when
-    --attention-backend is auto, and is refused beside another."""
-    impl = getattr(args, "impl", None)
-    if impl is None:
-        return None
-    from nanoserve.grading import ImplementationError
-    from nanoserve.learner_parts import learner_parts
-    from nanoserve.recipes.assemble import recipe_for
-
-    if len(stages) != 1:
-        raise ValueError("argument --impl: a learner's file is one stage's; name that stage alone")
-    if (getattr(args, "tensor_parallel_size", None) or 1) > 1:
-        raise ValueError(
-            "argument --impl: your pieces are loaded in this process only; the workers that "
-            "--tensor-parallel-size starts could not load them: leave it at 1"
-        )
-    try:
-        parts = learner_parts(stages[0], impl)
-    except ImplementationError as err:  # the very line `nanoserve check` prints
-        raise ValueError(str(err)) from None
-    runs_on = recipe_for(parts.engine_stage).parts_run_on
-    if runs_on is not None and parts.components:
-        if args.attention_backend in (None, "auto"):
-            args.attention_backend = runs_on
-        elif args.attention_backend != runs_on:
-            raise ValueError(
-                f"argument --attention-backend: {parts.describe()} runs only on the "
-                f"{runs_on} backend, not {args.attention_backend}"
-            )
-        if runs_on == "triton":
-            with refusing_as("--impl"):
-                check_triton_runs_on(device)
-    return parts
 
 
 def default_num_threads(num_cpus: int | None = None) -> int:
