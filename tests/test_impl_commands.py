@@ -269,3 +269,51 @@ def test_chat_talks_through_your_block_table(folder, tmp_path, monkeypatch, caps
     argv = ["chat", "--model", folder, "--stage", "3", *ENGINE, "--max-tokens", "3"]
     status, out, _ = run([*argv, "--impl", mine], capsys)
     assert status == 0 and "my BlockTable" in out and "bot> " in out
+
+
+# ---- every lesson ends with the command that runs the learner's file in the engine ----
+
+
+def lesson_run_commands(stage) -> list[list[str]]:
+    """The `nanoserve ... --impl` commands of a lesson's last section, each as argv."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    lesson = (Path(__file__).resolve().parents[1] / stage.lesson).read_text()
+    last = lesson.split("<!-- --8<-- [end:lesson] -->")[0].rsplit("\n## ", 1)[1]
+    fenced = "\n".join(re.findall(r"```bash\n(.*?)```", last, re.S)).replace("\\\n", " ")
+    lines = [line.split("#")[0] for line in fenced.splitlines() if "nanoserve " in line]
+    argvs = [shlex.split(line.split("nanoserve ", 1)[1]) for line in lines]
+    return [argv for argv in argvs if "--impl" in argv]
+
+
+def check_file_of(stage) -> str | None:
+    """The learner's file name the lesson grades with `nanoserve check N --impl FILE`."""
+    import re
+    from pathlib import Path
+
+    lesson = (Path(__file__).resolve().parents[1] / stage.lesson).read_text()
+    found = re.search(rf"nanoserve check {stage.number} --impl (\S+\.py)", lesson)
+    return found.group(1) if found else None
+
+
+@pytest.mark.parametrize("number", range(11))  # stage 11's lesson is its own author's, still open
+def test_a_lesson_ends_by_running_your_file_exactly_where_the_engine_can(number):
+    from nanoserve.learner_parts import learner_parts
+    from nanoserve.stages import get_stage
+
+    stage = get_stage(number)
+    try:
+        runnable = learner_parts(number, "ref")
+    except ValueError:
+        runnable = None
+    commands = lesson_run_commands(stage)
+    if runnable is None:
+        assert not commands, f"{stage.lesson} runs --impl where no engine takes the file"
+        return
+    assert commands, f"{stage.lesson} does not end with the command that runs your file"
+    for argv in commands:
+        args = build_parser().parse_args(argv)
+        assert args.impl == check_file_of(stage), argv  # the file the lesson grades
+        assert (args.stage if isinstance(args.stage, int) else args.stage[0][0]) == number
