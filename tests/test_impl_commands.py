@@ -317,3 +317,12 @@ def test_a_lesson_ends_by_running_your_file_exactly_where_the_engine_can(number)
         args = build_parser().parse_args(argv)
         assert args.impl == check_file_of(stage), argv  # the file the lesson grades
         assert (args.stage if isinstance(args.stage, int) else args.stage[0][0]) == number
+
+
+@pytest.mark.parametrize("command", ["generate", "bench"])
+def test_impl_without_a_stage_asks_for_one(command, capsys):
+    said = one_line_error([command, "--model", "tiny-llama", "--impl", "my_prefix.py"], capsys)
+    assert said == (
+        "argument --impl: name the stage my_prefix.py is written for, as `nanoserve check` "
+        "does: --stage N --impl my_prefix.py"
+    )

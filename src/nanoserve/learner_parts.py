@@ -101,6 +101,11 @@ def checked_impl(args, stages: list[int], device: torch.device) -> LearnerParts:
 
     A file whose parts run on one attention backend only (stages 05-06: Triton) picks it when
     --attention-backend is auto, and is refused beside another."""
+    if getattr(args, "stage", None) is None:  # the newest stage's API is rarely the file's
+        raise ValueError(
+            f"argument --impl: name the stage {args.impl} is written for, as `nanoserve check` "
+            f"does: --stage N --impl {args.impl}"
+        )
     if len(stages) != 1:
         raise ValueError("argument --impl: a learner's file is one stage's; name that stage alone")
     if (getattr(args, "tensor_parallel_size", None) or 1) > 1:
