@@ -3,8 +3,8 @@
 Introduced with `--impl` on the engine commands (after stage 11). The file is loaded exactly as
 `nanoserve check` loads it (`grading.load_impl`); its names that the stage's recipe can replace
 become `components=`, and stage 10's `AsyncEngine` becomes the server's loop. It builds nothing:
-a file the engine has no place for (kernels graded alone, sharded layers) is a one-line
-ValueError that says how to grade it instead.
+a file no engine has a place for (stage 00's model pieces, stage 08's graph bookkeeping, stage
+09's sharded layers) is a one-line ValueError that names the `check` command instead.
 """
 
 from __future__ import annotations
