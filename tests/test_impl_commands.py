@@ -64,6 +64,18 @@ MY_PREFIX = """
 """
 
 
+@pytest.fixture
+def no_weights_load(monkeypatch):
+    """Loading weights fails the test: --impl must be checked before."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("weights were loaded before --impl was checked")
+
+    import nanoserve.recipes.assemble
+
+    monkeypatch.setattr(nanoserve.recipes.assemble, "load_model", refuse)
+
+
 def run(argv: list[str], capsys) -> tuple[int, str, str]:
     try:
         status = main(argv)
@@ -100,7 +112,9 @@ def test_generate_runs_your_block_table_and_prints_the_references_tokens(folder,
     assert "BlockTable from my_table.py" in err
 
 
-def test_a_file_that_fails_to_import_is_the_one_line_nanoserve_check_prints(tmp_path, capsys):
+def test_a_file_that_fails_to_import_is_the_one_line_nanoserve_check_prints(
+    tmp_path, capsys, no_weights_load
+):
     broken = learner_file(tmp_path, "my_table.py", "import no_such_module_anywhere\n")
     said = one_line_error(
         ["generate", "hi", "--model", "tiny-llama", "--stage", "3", "--impl", broken], capsys
@@ -119,7 +133,9 @@ def test_a_file_missing_an_api_name_is_refused_naming_it(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("stage", "names"), [(0, "rms_norm"), (8, "graph_buckets"), (9, "shard_range")]
 )
-def test_a_stage_graded_on_its_own_says_so_and_names_the_check_command(stage, names, capsys):
+def test_a_stage_graded_on_its_own_says_so_and_names_the_check_command(
+    stage, names, capsys, no_weights_load
+):
     said = one_line_error(
         ["generate", "hi", "--model", "tiny-llama", "--stage", str(stage), "--impl", "ref"], capsys
     )
