@@ -185,6 +185,9 @@ def test_impl_with_tensor_parallel_workers_is_refused_before_loading(capsys):
 
 def test_kernels_that_run_only_on_triton_say_how_to_run_them_on_a_cpu(capsys, monkeypatch):
     pytest.importorskip("triton")
+    from nanoserve.learner_api import learner_api
+
+    learner_api(5)  # Triton's kernels take the interpreter at import: import them while it is on
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     argv = ["generate", "hi", "--model", "tiny-llama", "--stage", "5", "--device", "cpu"]
     said = one_line_error([*argv, "--impl", "ref"], capsys)
