@@ -49,10 +49,25 @@ import matplotlib.pyplot as plt
 import torch
 from matplotlib.patches import Patch, Rectangle
 
-from nanoserve import LLM, SamplingParams
+from nanoserve import LLM, SamplingParams, grading
 from nanoserve.engine.trace import StepRecord
-from nanoserve.kernels.paged_decode import decode_partition_size, paged_attention_decode
+from nanoserve.kernels.paged_decode import decode_partition_size
 from nanoserve.testing import save_tiny_model
+
+# %% [markdown]
+# ## Your kernels, or the reference's
+#
+# `IMPL` is the stage-06 file the notebook runs, as `nanoserve check 6 --impl` takes it: "ref"
+# (the reference), "starter", or your file, a path relative to this folder (e.g.
+# `"../mine.py"`). With your file the engine below runs your two kernels on the `triton`
+# backend (Triton's interpreter here), and the check at the end calls your decode kernel.
+
+# %%
+IMPL = "ref"
+kernels = grading.load_impl(6, IMPL)
+paged_attention_decode = kernels.paged_attention_decode
+yours = None if IMPL == "ref" else vars(kernels)  # ref: the engine's own choice, the torch oracle
+print(f"stage-06 kernels from {IMPL!r}: {', '.join(vars(kernels))}")
 
 # %% [markdown]
 # ## A tiny model and a small live batch
@@ -65,7 +80,8 @@ from nanoserve.testing import save_tiny_model
 folder = save_tiny_model(tempfile.mkdtemp(prefix="nanoserve-nb06-"), "llama")
 BLOCK_SIZE, NUM_BLOCKS = 4, 24
 llm = LLM(folder, stage=6, device="cpu", dtype="float64", block_size=BLOCK_SIZE,
-          num_kv_blocks=NUM_BLOCKS, max_model_len=64)  # fmt: skip
+          num_kv_blocks=NUM_BLOCKS, max_model_len=64, components=yours,
+          attention_backend="auto" if yours is None else "triton")  # fmt: skip
 engine = llm.engine
 num_kv_heads = engine.runner.cache.kv.shape[4]
 num_heads = engine.runner.model.config.num_attention_heads

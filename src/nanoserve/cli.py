@@ -3,7 +3,7 @@
 Introduced in stage 00 (`check` with the grading harness, `bench` and `--trace` in stage 04,
 `serve` in stage 10).
 Each subcommand is a thin wrapper over the Python API; argument errors name the argument and
-what was expected.
+what was expected. `--impl` runs a learner's stage file inside the engine (learner_parts.py).
 """
 
 from __future__ import annotations
@@ -33,22 +33,37 @@ def sampling_params(args):
     )
 
 
-def check_flags(args) -> None:
-    """The engine flags of generate, chat and serve, checked as bench checks them."""
+def check_flags(args):
+    """The engine flags of generate, chat and serve, checked as bench checks them (CheckedFlags,
+    with --impl's pieces)."""
+    from nanoserve.learner_parts import announce, require_engine_parts
     from nanoserve.options import check_engine_flags
     from nanoserve.stages import latest_stage
 
-    check_engine_flags(args, [latest_stage().number if args.stage is None else args.stage])
+    flags = check_engine_flags(args, [latest_stage().number if args.stage is None else args.stage])
+    if flags.parts is not None:
+        require_engine_parts(flags.parts, args.command)
+        note = announce(flags.parts)
+        print(f"nanoserve {args.command}: {note or flags.parts.describe()}", file=sys.stderr)
+    return flags
 
 
-def make_llm(args):
-    """An LLM for the chosen model, stage, device and dtype, its flags checked first."""
+def make_llm(args, flags=None):
+    """An LLM for the chosen model, stage, device and dtype, its flags checked first (unless
+    `flags` holds them checked); --impl's pieces are its components."""
     from nanoserve.llm import LLM
     from nanoserve.options import engine_options
 
-    check_flags(args)
+    parts = (flags or check_flags(args)).parts
+    stage = args.stage if parts is None else parts.engine_stage
+    components = None if parts is None else parts.components
     return LLM(
-        args.model, stage=args.stage, device=args.device, dtype=args.dtype, **engine_options(args)
+        args.model,
+        stage=stage,
+        device=args.device,
+        dtype=args.dtype,
+        components=components,
+        **engine_options(args),
     )
 
 
@@ -128,10 +143,12 @@ def cmd_serve(args) -> int:
             "pip install 'nanoserve[serve]'"
         ) from None
     name = args.served_model_name or args.model
-    check_flags(args)  # before the engine process starts
-    if args.engine_in_process:
-        llm = make_llm(args)
-        app = create_app(llm, name, args.api_key, args.max_body_bytes)
+    flags = check_flags(args)  # before the engine process starts
+    parts = flags.parts
+    if args.engine_in_process or parts is not None:  # --impl: loaded here, so run here
+        llm = make_llm(args, flags)
+        loop = None if parts is None or parts.loop is None else parts.loop(llm.engine)
+        app = create_app(llm, name, args.api_key, args.max_body_bytes, loop=loop)
     else:
         from nanoserve.options import engine_options
         from nanoserve.serving.engine_process import EngineClient
@@ -145,7 +162,7 @@ def cmd_serve(args) -> int:
         )
         # EngineClient stands in for both the LLM and its AsyncEngine (duck-typed, no Protocol)
         app = create_app(llm, name, args.api_key, args.max_body_bytes, loop=llm)  # type: ignore[arg-type]
-    where = "this process" if args.engine_in_process else "its own process"
+    where = "this process" if args.engine_in_process or parts else "its own process"
     print(
         f"nanoserve serve: {args.model}, stage {llm.stage.number} (engine loop in {where}), "
         f"http://{args.host}:{args.port}/v1",
@@ -184,6 +201,19 @@ def run_command(args) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"nanoserve {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except NotImplementedError as err:
+        if getattr(args, "impl", None) is None:
+            raise
+        print(
+            f"nanoserve {args.command}: error: --impl {args.impl}: {unfinished(err)}",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def unfinished(err: NotImplementedError) -> str:
+    """A starter's NotImplementedError as one line: which task is not done yet."""
+    return f"not implemented yet ({err})" if str(err) else "a piece is not implemented yet"
 
 
 def main(argv: list[str] | None = None) -> int:

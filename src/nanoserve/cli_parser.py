@@ -77,7 +77,8 @@ def add_serve_parser(subparsers) -> None:
         "--engine-in-process",
         action="store_true",
         help="run the engine loop as a thread of the server process, as stage 10 builds it "
-        "(default: a process of its own, so HTTP work never waits on its GIL)",
+        "(default: a process of its own, so HTTP work never waits on its GIL; with --impl, "
+        "always here, where your file is loaded)",
     )
 
 

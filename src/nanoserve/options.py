@@ -1,7 +1,7 @@
 """The flags of every command that runs an engine, and the one place they are checked.
 
 Introduced in stage 04 (`generate`, `chat` and `bench` all take them; `serve` since stage 10).
-`add_engine_source_args` adds the model, stage, device, dtype and thread flags and every
+`add_engine_source_args` adds the model, stage, --impl, device, dtype and thread flags and every
 `EngineConfig` field as a `--flag` spelt as vLLM spells it; `check_engine_flags` checks them all
 before any weights load and words each refusal `argument --flag: why`, whichever command asked.
 It validates nothing itself: `EngineConfig`, `LLM`'s resolvers and the stage manifest do.
@@ -14,7 +14,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import fields
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -30,6 +30,9 @@ from nanoserve.models.config import ModelConfig
 from nanoserve.models.loader import load_model_config, model_source
 from nanoserve.models.registry import DEFAULT_MODEL
 from nanoserve.stages import require_implemented
+
+if TYPE_CHECKING:  # a learner's file imports every stage's API: only when --impl asks
+    from nanoserve.learner_parts import LearnerParts
 
 
 def positive_int(text: str) -> int:
@@ -131,6 +134,13 @@ def add_engine_source_args(
             help="the engine as of stage N (default: the newest)",
         )
     parser.add_argument(
+        "--impl",
+        default=None,
+        metavar="FILE",
+        help="your file of --stage, as `nanoserve check` takes it (a .py path, a dotted module, "
+        "starter or ref): its pieces run inside that stage's engine (default: the reference's)",
+    )
+    parser.add_argument(
         "--device", default=None, metavar="D", help="cpu or cuda (default: cuda if present)"
     )
     parser.add_argument(
@@ -175,6 +185,7 @@ class CheckedFlags(NamedTuple):
     device: torch.device
     dtype: torch.dtype
     config: EngineConfig
+    parts: LearnerParts | None = None  # --impl: the learner's pieces and the engine they run in
 
 
 @contextlib.contextmanager
@@ -194,6 +205,12 @@ def check_engine_flags(args, stages: list[int]) -> CheckedFlags:
             require_implemented(stage)
     with refusing_as("--device"):
         device = resolve_device(args.device)
+    parts = None
+    if getattr(args, "impl", None) is not None:
+        from nanoserve.learner_parts import checked_impl  # imports every stage's API: only here
+
+        parts = checked_impl(args, stages, device)
+    stages = stages if parts is None else [parts.engine_stage]
     with refusing_as("--dtype"):
         dtype = resolve_dtype(args.dtype, device)
     with refusing_as("--model"):
@@ -206,8 +223,9 @@ def check_engine_flags(args, stages: list[int]) -> CheckedFlags:
         raise ValueError(f"argument {flag_name(err.name)}: {why}") from None
     with refusing_as("--enable-prefix-caching"):
         for stage in stages:
-            prefix_caching_components(stage, config.enable_prefix_caching, None)
-    return CheckedFlags(source, model_config, device, dtype, config)
+            components = None if parts is None else parts.components
+            prefix_caching_components(stage, config.enable_prefix_caching, components)
+    return CheckedFlags(source, model_config, device, dtype, config, parts)
 
 
 def default_num_threads(num_cpus: int | None = None) -> int:

@@ -41,8 +41,11 @@ def drive(engine, prompts: list[list[int]], params: list) -> list:
     return seqs
 
 
-def run_nanoserve(spec, model, stage: int, config: EngineConfig, workload: Workload) -> BenchResult:
-    """Build the stage's engine on `model`, warm it up, and time the whole workload."""
+def run_nanoserve(
+    spec, model, stage: int, config: EngineConfig, workload: Workload, parts=None
+) -> BenchResult:
+    """Build the stage's engine on `model`, warm it up, and time the whole workload; `parts`
+    (--impl's LearnerParts) puts the learner's pieces into it."""
     from nanoserve.layers.compiled import unfuse_small_ops
     from nanoserve.llm_arguments import prefix_caching_components
     from nanoserve.parallel.group import start_engine
@@ -51,12 +54,13 @@ def run_nanoserve(spec, model, stage: int, config: EngineConfig, workload: Workl
 
     device = spec.device
     shards = recipe_for(stage).shards_model and config.tensor_parallel_size > 1
-    parts = prefix_caching_components(stage, config.enable_prefix_caching, None)
+    yours = None if parts is None else parts.components
+    components = prefix_caching_components(stage, config.enable_prefix_caching, yours)
     if shards:  # rank 0 and each worker build their own shard; the shared model sits idle
-        engine = start_engine(stage, config, spec, model.config.eos_token_ids, parts)
+        engine = start_engine(stage, config, spec, model.config.eos_token_ids, components)
     else:  # a stage before 09 runs on one rank, beside the sharded one in the same table
         config = dataclasses.replace(config, tensor_parallel_size=1)
-        engine = build_engine(stage, config, spec, model.config.eos_token_ids, parts, model)
+        engine = build_engine(stage, config, spec, model.config.eos_token_ids, components, model)
     params = [
         SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m)
         for m in [WARMUP_MAX_TOKENS, *workload.max_tokens]
@@ -71,7 +75,8 @@ def run_nanoserve(spec, model, stage: int, config: EngineConfig, workload: Workl
     prefill_tokens = engine.num_prefill_tokens - prefill_before
     output_tokens = sum(seq.num_completion_tokens for seq in seqs)
     ranks = f", tp {config.tensor_parallel_size}" if shards else ""
-    name = f"nanoserve stage {stage} ({engine.attention.name}{ranks})"
+    yours = "" if parts is None else f", {parts.label}"
+    name = f"nanoserve stage {stage} ({engine.attention.name}{ranks}{yours})"
     engine.shutdown()
     unfuse_small_ops(model)  # stage 08 fused the shared model's small ops: the next stage must not
     del engine, seqs

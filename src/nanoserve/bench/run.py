@@ -186,9 +186,11 @@ def check_bench_flags(args) -> None:
 def engine_runners(args, flags: CheckedFlags, spec, model, stages, workload, stack) -> list[Runner]:
     """One runner per row of the table: each stage, then the peer or transformers. The peer's
     folder (a temporary one, when it must be written) lives as long as `stack`."""
-    config = flags.config
+    config, parts = flags.config, flags.parts
+    if parts is not None:  # --impl: its pieces run in the engine of their one stage
+        stages = [parts.engine_stage]
     runners: list[Runner] = [
-        functools.partial(run_nanoserve, spec, model, n, config, workload) for n in stages
+        functools.partial(run_nanoserve, spec, model, n, config, workload, parts) for n in stages
     ]
     if args.compare == PEER:
         from nanoserve.bench.peer import run_peer
@@ -214,6 +216,10 @@ def run_bench(args) -> int:
     if args.serve or args.url:
         return run_serve_bench(args, stages)
     flags = check_engine_flags(args, stages)
+    if flags.parts is not None:
+        from nanoserve.learner_parts import require_engine_parts
+
+        require_engine_parts(flags.parts, "bench")
     if args.compare == PEER:
         check_peer(flags, args.peer_path)
     workload = bench_workload(args, flags.model_config.vocab_size)
@@ -249,6 +255,11 @@ def run_serve_bench(args, stages: list[int]) -> int:
         raise ValueError("argument --stage: --serve benchmarks one stage's engine at a time")
     results, header, device = [], [], None
     if args.url:
+        if args.impl is not None:
+            raise ValueError(
+                "argument --impl: --url times a server already running; start it with "
+                "nanoserve serve --impl FILE, or let --serve start one"
+            )
         workload = bench_workload(args, None)  # the server rejects ids outside its vocabulary
         url = args.url.rstrip("/")
         timings, seconds = serve.drive(url, workload, args)
@@ -256,16 +267,20 @@ def run_serve_bench(args, stages: list[int]) -> int:
         flags = check_engine_flags(args, stages)
         workload = bench_workload(args, flags.model_config.vocab_size)
         check_fits(flags.config, workload)
-        config = flags.config
+        config, parts = flags.config, flags.parts
         spec, model = load_bench_model(flags)
         header = describe(args, model, config, workload)
         print("\n".join(header), flush=True)
-        results.append(run_nanoserve(spec, model, stages[0], config, workload))
+        # offline runs the learner's engine parts; stage 10's loop runs only in the server
+        yours = parts if parts is not None and parts.components else None
+        stage = stages[0] if parts is None else parts.engine_stage
+        results.append(run_nanoserve(spec, model, stage, config, workload, yours))
         dtype = str(model.dtype).removeprefix("torch.")
         del model  # the server loads its own; free this copy's memory first
         release_memory(spec.device)
         device = spec.device
         port = serve.free_port()
+        # the file's own stage: the server sorts --impl's pieces itself
         command = serve.serve_command(args, stages[0], spec.device.type, dtype, port)
         with serve.ServerProcess(command, port) as url:
             timings, seconds = serve.drive(url, workload, args)

@@ -117,6 +117,10 @@ def serve_command(args, stage: int, device: str, dtype: str, port: int) -> list[
         "--log-level",
         "warning",
     ]
+    if getattr(args, "impl", None) is not None:  # the server runs the learner's file too
+        from nanoserve.grading import normalize_impl
+
+        command += ["--impl", normalize_impl(args.impl)]
     return command + engine_flags(args)
 
 

@@ -89,6 +89,9 @@ class Metrics:
             "Prompt tokens found in the prefix cache / prompt tokens admitted.",
             stats.prefix_cache_hit_rate,
         )
+        for note in stats.unreported:  # a comment: Prometheus reads past it, a person does not
+            name, why = note.split(": ", 1)
+            out.append(f"# nanoserve_{name} is not reported: {why}")
         metric(
             "engine_steps_total",
             "counter",

@@ -14,6 +14,8 @@ request's own event loop. Plain data and one asyncio queue; the loop itself is a
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -119,7 +121,8 @@ class EngineStats(NamedTuple):
     """What /metrics shows of the engine, copied by the loop thread after every iteration.
 
     The loop thread replaces the whole tuple (one reference assignment); other threads read it
-    and never the engine itself. Block counts are None for a manager without blocks (stage 00).
+    and never the engine itself. Block counts are None for a manager without blocks (stage 00);
+    `unreported` says, per metric, what a manager that should report it lacks (a learner's).
     """
 
     num_running: int = 0
@@ -129,6 +132,7 @@ class EngineStats(NamedTuple):
     prefix_cache_hit_rate: float | None = None
     num_steps: int = 0
     num_preemptions: int = 0
+    unreported: tuple[str, ...] = ()  # "metric: why", e.g. a prefix cache without a hit_rate
 
     @classmethod
     def of(cls, engine) -> EngineStats:
@@ -137,12 +141,27 @@ class EngineStats(NamedTuple):
         num_free = getattr(manager, "num_free_blocks", None)
         num_blocks = getattr(manager, "num_blocks", None)
         used = None if num_free is None or num_blocks is None else num_blocks - num_free
+        hit_rate = getattr(manager, "hit_rate", None)
         return cls(
             len(scheduler.running),
             len(scheduler.waiting),
             used,
             num_free,
-            getattr(manager, "hit_rate", None),
+            hit_rate,
             engine.num_steps,
             scheduler.num_preemptions,
+            lacks_hit_rate(manager) if hit_rate is None else (),
         )
+
+
+def lacks_hit_rate(manager) -> tuple[str, ...]:
+    """("prefix_cache_hit_rate: why",) for a prefix-caching manager (it has hash_blocks) that
+    keeps no hit_rate, as a learner's may not; () for any other."""
+    if not callable(getattr(manager, "hash_blocks", None)):
+        return ()
+    cls = type(manager)
+    where = getattr(sys.modules.get(cls.__module__), "__file__", None) or cls.__module__
+    return (
+        f"prefix_cache_hit_rate: the engine's {cls.__name__} (from {os.path.basename(where)}) "
+        "has no hit_rate property (prompt tokens found cached / prompt tokens admitted)",
+    )
