@@ -63,13 +63,16 @@ _LOWBIAS_2 = 0x846CA68B - 2**32
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
     """lowbias32 on int32 tensors, in place: a bijection of 32 bits that spreads every input bit
-    (torch's int32 arithmetic wraps like the unsigned one it stands for; shifts are masked)."""
-    x ^= (x >> 16) & 0xFFFF
-    x *= _LOWBIAS_1
-    x ^= (x >> 15) & 0x1FFFF
-    x *= _LOWBIAS_2
-    x ^= (x >> 16) & 0xFFFF
-    return x
+    (torch's int32 arithmetic wraps like the unsigned one it stands for; shifts are masked). One
+    scratch tensor serves every shift: on a CPU, allocating a temporary per operation costs as
+    much as the arithmetic."""
+    scratch = torch.empty_like(x)
+    for shift, mask, multiplier in ((16, 0xFFFF, _LOWBIAS_1), (15, 0x1FFFF, _LOWBIAS_2)):
+        torch.bitwise_right_shift(x, shift, out=scratch)
+        x.bitwise_xor_(scratch.bitwise_and_(mask))
+        x.mul_(multiplier)
+    torch.bitwise_right_shift(x, 16, out=scratch)
+    return x.bitwise_xor_(scratch.bitwise_and_(0xFFFF))
 
 
 def uniforms(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -84,7 +87,7 @@ def uniforms(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     low = ((keys & 0xFFFFFFFF) - ((keys & 0x80000000) << 1)).to(torch.int32)  # low 32, signed
     tokens = torch.arange(vocab_size, device=keys.device, dtype=torch.int32) * _GOLDEN_32
     bits = mix32(low[:, None] + tokens[None, :])
-    bits = (bits >> 9) & 0x7FFFFF  # the top 23 bits
+    bits.bitwise_right_shift_(9).bitwise_and_(0x7FFFFF)  # the top 23 bits
     return bits.float().add_(0.5).mul_(1.0 / 2**23)
 
 
@@ -149,8 +152,8 @@ def gumbel_argmax(
     """
     greedy = temperature == 0
     divisor = torch.where(greedy, 1.0, temperature)[:, None]
-    noise = uniforms(keys, logits.shape[-1]).log_().neg_().log_().neg_()  # -log(-log(u))
-    drawn = (logits.float() / divisor + noise).argmax(dim=-1)
+    scores = uniforms(keys, logits.shape[-1]).log_().neg_().log_().neg_()  # -log(-log(u))
+    drawn = scores.add_(logits.float() / divisor).argmax(dim=-1)
     return torch.where(greedy, logits.argmax(dim=-1), drawn)  # greedy: in the logits' own dtype
 
 
