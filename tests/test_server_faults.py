@@ -256,7 +256,7 @@ def test_an_empty_api_key_is_refused(llm):
         create_app(llm, MODEL, api_key="")
 
 
-def test_the_api_key_comes_from_one_of_the_flag_a_file_or_the_environment(tmp_path):
+def test_the_api_key_comes_from_the_flag_or_a_file_else_the_environment(tmp_path):
     from nanoserve.serving.startup import api_key_from
 
     key_file = tmp_path / "key"
@@ -265,8 +265,9 @@ def test_the_api_key_comes_from_one_of_the_flag_a_file_or_the_environment(tmp_pa
     assert api_key_from(None, None, environ={"NANOSERVE_API_KEY": "from-env"}) == "from-env"
     assert api_key_from("k", None, environ={}) == "k"
     assert api_key_from(None, None, environ={}) is None
+    assert api_key_from("k", None, environ={"NANOSERVE_API_KEY": "from-env"}) == "k"
     with pytest.raises(ValueError, match="twice"):
-        api_key_from("k", None, environ={"NANOSERVE_API_KEY": "from-env"})
+        api_key_from("k", str(key_file), environ={})
     (tmp_path / "empty").write_text("\n")
     for flag, file, environ in [
         ("", None, {}),
@@ -297,6 +298,23 @@ def test_a_server_beyond_the_loopback_without_a_key_gets_a_loud_warning():
     assert exposure_warning("0.0.0.0", "a-key") is None
 
 
+def test_the_open_file_limit_is_raised_to_fit_the_connection_limit():
+    import resource
+
+    from nanoserve.serving.startup import SPARE_FILES, open_files_for
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+        assert open_files_for(ServerLimits(max_connections=512)) is None
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == 512 + SPARE_FILES
+        if hard != resource.RLIM_INFINITY:
+            warning = open_files_for(ServerLimits(max_connections=hard))
+            assert "ulimit -n" in warning
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 # ---- shutdown with streams in flight ----
 
 
@@ -323,25 +341,37 @@ def assert_aborted_with_done(lines: list[str]) -> None:
 STREAM = {"model": MODEL, "prompt": "hi", "max_tokens": 90, "ignore_eos": True, "stream": True}
 
 
-def test_a_server_told_to_stop_ends_every_stream_with_abort_and_done_at_once(folder, monkeypatch):
+def test_a_server_told_to_stop_ends_every_request_with_abort_and_every_stream_with_done(
+    folder, monkeypatch
+):
     llm = LLM(folder, stage=10, max_num_seqs=2, **ENGINE)  # two run, one waits
     slowed(llm, monkeypatch)
     server = ServerThread(create_app(llm, MODEL))
     base_url = server.__enter__()
 
-    async def three_streams_then_stop():
+    async def whole(body: dict) -> dict:
+        async with httpx.AsyncClient(base_url=base_url, timeout=TIMEOUT) as http:
+            return (await http.post("/v1/completions", json=body)).json()
+
+    async def three_streams_and_a_whole_one_then_stop():
         first = asyncio.Event()
         streams = [
             asyncio.ensure_future(stream_until_done(base_url, STREAM, first)) for _ in range(3)
         ]
+        not_streamed = asyncio.ensure_future(whole({**STREAM, "stream": False}))
         await first.wait()
         started = time.monotonic()
         await asyncio.to_thread(server.__exit__)
-        return await asyncio.gather(*streams), time.monotonic() - started
+        results = await asyncio.gather(*streams, not_streamed)
+        return results, time.monotonic() - started
 
-    results, seconds = asyncio.run(asyncio.wait_for(three_streams_then_stop(), TIMEOUT))
-    for lines in results:
+    results, seconds = asyncio.run(
+        asyncio.wait_for(three_streams_and_a_whole_one_then_stop(), TIMEOUT)
+    )
+    *streamed, not_streamed = results
+    for lines in streamed:
         assert_aborted_with_done(lines)
+    assert not_streamed["choices"][0]["finish_reason"] == "abort"
     assert seconds < 3, f"the server took {seconds:.1f} s to stop"
     assert llm.engine.scheduler.is_finished()
     assert llm.engine.manager.num_free_blocks == llm.engine.manager.num_blocks

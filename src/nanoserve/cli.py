@@ -127,7 +127,12 @@ def cmd_serve(args) -> int:
             f"serving needs FastAPI and uvicorn ({err}); install them with "
             "pip install 'nanoserve[serve]'"
         ) from None
-    from nanoserve.serving.startup import api_key_from, exposure_warning, limits_from
+    from nanoserve.serving.startup import (
+        api_key_from,
+        exposure_warning,
+        limits_from,
+        open_files_for,
+    )
 
     name = args.served_model_name or args.model
     api_key = api_key_from(args.api_key, args.api_key_file)
@@ -155,9 +160,9 @@ def cmd_serve(args) -> int:
         f"http://{args.host}:{args.port}/v1",
         flush=True,
     )
-    warning = exposure_warning(args.host, api_key)
-    if warning:
-        print(warning, file=sys.stderr, flush=True)
+    for warning in (exposure_warning(args.host, api_key), open_files_for(limits)):
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
     try:
         run_server(app, args.host, args.port, args.log_level)
     except KeyboardInterrupt:  # SIGINT, raised again by uvicorn once everything has stopped

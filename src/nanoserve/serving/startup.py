@@ -10,23 +10,25 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import resource
 from pathlib import Path
 
 from nanoserve.serving.limits import LIMIT_FLAGS, ServerLimits
 
 API_KEY_ENV = "NANOSERVE_API_KEY"
+SPARE_FILES = 64  # files a server keeps open besides its sockets: pipes, logs, the model
 
 
 def api_key_from(flag: str | None, file: str | None, environ=os.environ) -> str | None:
-    """The key from --api-key, --api-key-file or $NANOSERVE_API_KEY (at most one of them), or
-    None; ValueError naming the source for an empty key, two sources or an unreadable file."""
+    """The key from --api-key or --api-key-file (not both), else $NANOSERVE_API_KEY, else None;
+    ValueError naming the source for an empty key, both flags or an unreadable file."""
+    if flag is not None and file is not None:
+        raise ValueError("argument --api-key-file: the API key is given twice (and --api-key)")
     given = {"--api-key": flag, "--api-key-file": file, f"${API_KEY_ENV}": environ.get(API_KEY_ENV)}
     sources = [name for name, value in given.items() if value is not None]
-    if len(sources) > 1:
-        raise ValueError(f"the API key is given twice ({' and '.join(sources)}): give one")
     if not sources:
         return None
-    (source,) = sources
+    source = sources[0]  # a flag before the environment, as a command line overrides it
     if source == "--api-key-file":
         assert file is not None  # it is the one source given
         try:
@@ -67,3 +69,23 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
 def limits_from(args) -> ServerLimits:
     """ServerLimits from the serve command's flags (ValueError names a bad one)."""
     return ServerLimits(**{field: getattr(args, field) for field in LIMIT_FLAGS})
+
+
+def open_files_for(limits: ServerLimits) -> str | None:
+    """Raise this process's open-file limit to fit max_connections sockets (a shell's default
+    soft limit is often 1024, which would fail accept() before the connection limit is reached);
+    a warning if the hard limit does not allow it, else None."""
+    if limits.max_connections is None:
+        return None
+    needed = limits.max_connections + SPARE_FILES
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return None
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        return (
+            f"warning: --max-connections {limits.max_connections} needs {needed} open files; "
+            f"this process may open {hard} (ulimit -n)"
+        )
+    resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+    return None
