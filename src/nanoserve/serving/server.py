@@ -74,10 +74,12 @@ class ServedModel:
             raise APIError(400, f"the chat template failed: {err}", param="messages") from None
 
     def check(self, body) -> None:
-        """Every check a parsed request passes before its prompt is tokenised."""
+        """Every check a parsed request passes before its prompt is tokenised (the cheap ones,
+        and room in the queue, so a busy server does not tokenise what it will refuse)."""
         admission.check_text(body)
         self.check_model(body.model)
         admission.check_stops(body.stop_strings, self.limits)
+        admission.check_queue(self.loop.stats.num_waiting + self.num_starting, self.limits)
 
     def generation(self, body, prompt_token_ids: list[int], default_max_tokens: int) -> Generation:
         """A Generation of this request, its fields checked and mapped to SamplingParams."""
@@ -88,10 +90,8 @@ class ServedModel:
         return Generation(self.loop, self.metrics, self.name, prompt_token_ids, params, text, chat)
 
     async def answer(self, generation: Generation, body, request: Request) -> Response:
-        """Start the generation (a rejection is a 400, a full queue a 503), then stream it or
-        send it whole."""
-        admission.check_queue(self.loop.stats.num_waiting + self.num_starting, self.limits)
-        self.num_starting += 1
+        """Start the generation (a rejection is a 400), then stream it or send it whole."""
+        self.num_starting += 1  # counted as queued until the loop has queued it
         try:
             await generation.start()
         finally:
