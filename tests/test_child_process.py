@@ -99,3 +99,18 @@ def test_a_child_exits_when_its_parent_is_killed():
     if is_running(grandchild_pid):
         os.kill(grandchild_pid, signal.SIGKILL)
         pytest.fail("the grandchild outlived its parent")
+
+
+def test_a_ctrl_c_while_a_child_still_imports_does_not_reach_it():
+    """A terminal's Ctrl-C goes to the whole group, also to a child still starting up."""
+    child = ChildProcess(echo_until_stop, ("up",), name="the child")
+    deadline = time.monotonic() + 0.5  # the fresh interpreter's imports: the window it had
+    while time.monotonic() < deadline and child.process.is_alive():
+        os.kill(child.process.pid, signal.SIGINT)
+        time.sleep(0.01)
+    assert child.receive(Ready, timeout_s=30).info == "up"
+    os.kill(child.process.pid, signal.SIGINT)  # and once it runs
+    child.send("still there?")
+    assert child.receive(tuple, timeout_s=30) == ("echo", "still there?")
+    stop_all([child])
+    assert child.process.exitcode == 0

@@ -6,6 +6,7 @@ the messages mean is each user's (a user may add words of its own). It imports n
 
     parent                                        child (spawned: a fresh interpreter)
     ChildProcess(target, args, name) ── start ──>  run_child: ignores Ctrl-C, exits with parent
+      (spawned with SIGINT ignored: a Ctrl-C during its imports does not reach it either)
     receive(Ready)  <──────── Ready(info) ───────  target(conn, *args)
     send(message)   ───────── message ──────────>  conn.recv()
     receive() raises ChildDied <── Failed(traceback): the target raised; its last word
@@ -66,7 +67,8 @@ class ChildProcess:
         self.process = context.Process(
             target=run_child, args=(target, theirs, args), name=name, daemon=daemon
         )
-        self.process.start()
+        with terminal_interrupts_ignored():
+            self.process.start()
         theirs.close()  # ours is now the only handle: the child sees EOF when we go
 
     @property
@@ -197,6 +199,26 @@ def run_child(target: Callable, conn: Connection, args: tuple) -> None:
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(1)  # a peer may be stuck in a collective with us: wait on no cleanup
+
+
+@contextlib.contextmanager
+def terminal_interrupts_ignored():
+    """Ignore SIGINT while a child is spawned, so that the child starts ignoring it.
+
+    A terminal's Ctrl-C goes to the whole process group. A spawned child is a fresh interpreter
+    that spends seconds importing (torch) before `run_child` can ignore SIGINT; a Ctrl-C then
+    killed it with a traceback. An ignored signal stays ignored across exec, and Python keeps
+    it so, so the child never sees one. Only the main thread may change a handler: elsewhere
+    (a test's server thread) the child is spawned as before.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def exit_with_parent() -> None:

@@ -142,13 +142,22 @@ def cmd_serve(args) -> int:
             f"serving needs FastAPI and uvicorn ({err}); install them with "
             "pip install 'nanoserve[serve]'"
         ) from None
+    from nanoserve.serving.startup import (
+        api_key_from,
+        exposure_warning,
+        limits_from,
+        open_files_for,
+    )
+
     name = args.served_model_name or args.model
+    api_key = api_key_from(args.api_key, args.api_key_file)
+    limits = limits_from(args)
     flags = check_flags(args)  # before the engine process starts
     parts = flags.parts
     if args.engine_in_process or parts is not None:  # --impl: loaded here, so run here
         llm = make_llm(args, flags)
         loop = None if parts is None or parts.loop is None else parts.loop(llm.engine)
-        app = create_app(llm, name, args.api_key, args.max_body_bytes, loop=loop)
+        app = create_app(llm, name, api_key, limits, loop=loop)
     else:
         from nanoserve.options import engine_options
         from nanoserve.serving.engine_process import EngineClient
@@ -161,15 +170,31 @@ def cmd_serve(args) -> int:
             **engine_options(args),
         )
         # EngineClient stands in for both the LLM and its AsyncEngine (duck-typed, no Protocol)
-        app = create_app(llm, name, args.api_key, args.max_body_bytes, loop=llm)  # type: ignore[arg-type]
+        app = create_app(llm, name, api_key, limits, loop=llm)  # type: ignore[arg-type]
     where = "this process" if args.engine_in_process or parts else "its own process"
     print(
         f"nanoserve serve: {args.model}, stage {llm.stage.number} (engine loop in {where}), "
         f"http://{args.host}:{args.port}/v1",
         flush=True,
     )
-    run_server(app, args.host, args.port, args.log_level)
+    for warning in (exposure_warning(args.host, api_key), open_files_for(limits)):
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
+    try:
+        run_server(app, args.host, args.port, args.log_level)
+    except KeyboardInterrupt:  # SIGINT, raised again by uvicorn once everything has stopped
+        print(file=sys.stderr)
+        exit_at_once(EXIT_SIGINT)
     return 0
+
+
+def exit_at_once(status: int) -> None:
+    """Flush and exit without the interpreter's teardown: a server that has stopped its engine
+    has nothing left to clean up, and unloading torch's modules took 2 s of its shutdown."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
 
 
 def cmd_bench(args) -> int:

@@ -60,16 +60,21 @@ def add_serve_parser(subparsers) -> None:
     serve.add_argument(
         "--api-key",
         default=None,
-        help="require `Authorization: Bearer KEY` on every route but /health (default: none)",
+        help="require `Authorization: Bearer KEY` on every route but /health; visible in `ps`: "
+        "prefer $NANOSERVE_API_KEY or --api-key-file (default: none)",
+    )
+    serve.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="read the API key from the first line of this file (default: none)",
     )
     serve.add_argument(
         "--served-model-name",
         default=None,
         help="the name clients pass as `model` (default: MODEL)",
     )
-    serve.add_argument(
-        "--max-body-bytes", type=int, default=2**20, help="413 above this (default: %(default)s)"
-    )
+    add_limit_args(serve)
     serve.add_argument(
         "--log-level", default="info", help="uvicorn's: warning, info, debug (default: %(default)s)"
     )
@@ -80,6 +85,41 @@ def add_serve_parser(subparsers) -> None:
         "(default: a process of its own, so HTTP work never waits on its GIL; with --impl, "
         "always here, where your file is loaded)",
     )
+
+
+def limit_value(kind: type):
+    """argparse type of a server limit: a number > 0, or `none` for no limit."""
+    from nanoserve.options import positive_float, positive_int
+
+    def parse(text: str):
+        if text.lower() == "none":
+            return None
+        return positive_int(text) if kind is int else positive_float(text)
+
+    return parse
+
+
+def add_limit_args(serve: argparse.ArgumentParser) -> None:
+    """One flag per ServerLimits field, with its default."""
+    from dataclasses import fields
+
+    from nanoserve.serving.limits import LIMIT_FLAGS, ServerLimits, limit_flag
+
+    group = serve.add_argument_group("limits (a number, or none)")
+    defaults = ServerLimits()
+    for field in fields(ServerLimits):
+        if field.name not in LIMIT_FLAGS:
+            continue
+        default = getattr(defaults, field.name)
+        kind = float if field.name.endswith("_s") else int
+        group.add_argument(
+            limit_flag(field.name),
+            dest=field.name,
+            type=limit_value(kind),
+            default=default,
+            metavar="S" if kind is float else "N",
+            help=f"{LIMIT_FLAGS[field.name]} (default: {default})",
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:

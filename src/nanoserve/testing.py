@@ -157,12 +157,9 @@ class ServerThread:
     """
 
     def __init__(self, app, timeout: float = 30):
-        import uvicorn
+        from nanoserve.serving.server import make_server
 
-        self.config = uvicorn.Config(
-            app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=5
-        )
-        self.server = uvicorn.Server(self.config)
+        self.server = make_server(app, "127.0.0.1", port=0, log_level="warning")
         self.timeout = timeout
         self.thread = threading.Thread(target=self.server.run, name="uvicorn-test", daemon=True)
 

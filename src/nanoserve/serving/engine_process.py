@@ -24,6 +24,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
+import sys
 import threading
 from multiprocessing.connection import Connection
 from typing import NamedTuple
@@ -85,8 +87,12 @@ def engine_main(conn: Connection, model: str, llm_options: dict) -> None:
         core.wait()  # until Stop ends the loop, or the loop breaks (its waiting requests are told)
     finally:
         llm.shutdown()
-    if core.failure is not None:
-        raise SystemExit(1)
+    # Every request is answered and the workers are stopped: exit now. The interpreter's own
+    # teardown (torch's modules, one by one) took 2 s of every server shutdown, for nothing.
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(1 if core.failure is not None else 0)
 
 
 class EngineClient:
@@ -123,6 +129,7 @@ class EngineClient:
         self._send_lock = threading.Lock()
         self._request_ids = itertools.count()
         self._reader: threading.Thread | None = None
+        self._stopping = False  # request_stop was called: no new requests
 
     def deliver(self, deliveries: list[Delivery]) -> None:
         """One call_soon_threadsafe per event loop per batch: AsyncEngine's own (it reads only
@@ -169,6 +176,8 @@ class EngineClient:
         """Send a request to the engine process; call it on the event loop that reads it."""
         import asyncio
 
+        if self._stopping:
+            raise EngineError("the engine process is stopping: the server is shutting down")
         if not self.is_running:
             raise EngineError(str(self.failure or "the engine process is not running"))
         stream = RequestStream(next(self._request_ids), asyncio.get_running_loop(), coalesce=True)
@@ -188,12 +197,18 @@ class EngineClient:
         with contextlib.suppress(OSError, EngineError):  # a dead engine process aborted it
             self._send(Abort(request_id))
 
+    def request_stop(self) -> None:
+        """Ask the engine process to abort what runs and exit, without waiting for it; from now
+        on a new request is refused (EngineError)."""
+        self._stopping = True
+        with contextlib.suppress(OSError, EngineError):
+            self._send(Stop())
+
     def shutdown(self, timeout: float = 30) -> None:
         """Stop the engine process (in-flight requests end with "abort") and wait for it."""
         if self.child is None:
             return
-        with contextlib.suppress(OSError, EngineError):
-            self._send(Stop())
+        self.request_stop()
         if self._reader is not None:
             self._reader.join(timeout)  # it reads the aborts, then the end of the pipe
         stop_all([self.child], polite=False, timeout_s=timeout)  # Stop is sent: make sure

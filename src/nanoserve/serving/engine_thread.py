@@ -50,6 +50,7 @@ class EngineThread:
         self.failure: BaseException | None = None  # what stopped the loop thread, if it broke
         self._request_ids = itertools.count()
         self._thread: threading.Thread | None = None
+        self._stopping = False  # request_stop was called: no new requests
 
     # ---- any thread ----
 
@@ -60,11 +61,17 @@ class EngineThread:
         self._thread = threading.Thread(target=self._run, name="nanoserve-engine-loop", daemon=True)
         self._thread.start()
 
+    def request_stop(self) -> None:
+        """Ask the loop to abort whatever is in flight and end, without waiting for it; from
+        now on a new request is refused (EngineError)."""
+        self._stopping = True
+        self.commands.put(_STOP)
+
     def shutdown(self, timeout: float | None = 30) -> None:
         """Abort whatever is in flight, stop the loop thread and wait for it."""
         if self._thread is None:
             return
-        self.commands.put(_STOP)
+        self.request_stop()
         self._thread.join(timeout)
         if self._thread.is_alive():
             raise RuntimeError(f"the engine loop did not stop within {timeout} s")
@@ -82,6 +89,8 @@ class EngineThread:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
         """Queue a request for the loop; call it on an event loop, which will get its deltas."""
+        if self._stopping:
+            raise EngineError("the engine loop is stopping: the server is shutting down")
         if not self.is_running:
             raise EngineError(
                 f"the engine loop is not running (it failed: {self.failure!r})"

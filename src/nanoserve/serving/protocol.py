@@ -27,6 +27,7 @@ class APIError(Exception):
         param: str | None = None,
         type: str = "invalid_request_error",
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = (
@@ -36,6 +37,7 @@ class APIError(Exception):
             type,
             code,
         )
+        self.headers = headers  # of the response: Retry-After on a 503
 
     def body(self) -> dict:
         """{"error": {"message", "type", "param", "code"}}, as OpenAI's API answers."""

@@ -4,35 +4,43 @@ Introduced in stage 10. `create_app(llm, name)` builds the app; its lifespan sta
 (`AsyncEngine`) and stops it. Routes: GET /v1/models, POST /v1/completions and
 /v1/chat/completions (whole or `stream: true`), GET /health, GET /metrics. Every error is
 OpenAI's error object with a 4xx status that names the field: a bad request never reaches the
-engine's step, and never takes another request down with it.
+engine's step, and never takes another request down with it. What a request passes on its way in
+(key, sockets, body) is connections.py's, what it must pass before it is queued admission.py's;
+`run_server` stops like a production server: every stream ends with "abort" and [DONE], at once.
 """
 
 from __future__ import annotations
 
-import hmac
+import asyncio
 from contextlib import asynccontextmanager
 
-from fastapi import Depends, FastAPI, Request
+import uvicorn
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from nanoserve.llm import LLM
+from nanoserve.serving import admission
 from nanoserve.serving.async_engine import AsyncEngine
+from nanoserve.serving.connections import APIKeyGuard, BodyReader, guarded_protocol
 from nanoserve.serving.generation import Generation, response_unless_disconnected
+from nanoserve.serving.limits import ServerLimits
 from nanoserve.serving.metrics import Metrics
 from nanoserve.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from nanoserve.serving.text import TextStream
 
-MAX_BODY_BYTES = 2**20  # 1 MiB: a 4096-token prompt as ids is about 30 kB of JSON
+INLINE_TOKENIZE_CHARS = 4096  # longer texts are tokenised on a worker thread, off the event loop
+SHUTDOWN_GRACE_S = 2  # after every generation is aborted: time for the last bytes to go out
 
 
 class ServedModel:
     """The LLM behind the routes: its name, its tokenizer and its engine loop."""
 
-    def __init__(self, llm: LLM, name: str, loop: AsyncEngine):
-        self.llm, self.name, self.loop = llm, name, loop
+    def __init__(self, llm: LLM, name: str, loop: AsyncEngine, limits: ServerLimits):
+        self.llm, self.name, self.loop, self.limits = llm, name, loop, limits
         self.metrics = Metrics()
+        self.num_starting = 0  # requests sent to the engine loop and not yet accepted by it
 
     def check_model(self, model: str) -> None:
         """404 unless the request names the model this server serves."""
@@ -44,13 +52,34 @@ class ServedModel:
                 code="model_not_found",
             )
 
-    def encode(self, text: str, param: str) -> list[int]:
-        """Token ids of a prompt text, as `LLM.generate` makes them (no special tokens added)."""
-        if self.llm.tokenizer is None:
+    async def encode(self, text: str, param: str) -> list[int]:
+        """Token ids of a prompt text, as `LLM.generate` makes them (no special tokens added);
+        a long text is tokenised on a worker thread, so the event loop serves on meanwhile."""
+        tokenizer = self.llm.tokenizer
+        if tokenizer is None:
             raise APIError(
                 400, "this model has no tokenizer; send the prompt as token ids", param=param
             )
-        return self.llm.tokenizer.encode(text, add_special_tokens=False)
+        return await off_loop_if_long(len(text), tokenizer.encode, text, add_special_tokens=False)
+
+    async def chat_prompt(self, body: ChatCompletionRequest) -> str:
+        """The conversation through the model's chat template (off the loop when it is long)."""
+        num_chars = admission.num_chars(body.conversation)
+        admission.check_prompt_chars(num_chars, "messages", self.limits)
+        try:
+            return await off_loop_if_long(
+                num_chars, self.llm.apply_chat_template, body.conversation
+            )
+        except Exception as err:  # no tokenizer, no template, or a template that refuses
+            raise APIError(400, f"the chat template failed: {err}", param="messages") from None
+
+    def check(self, body) -> None:
+        """Every check a parsed request passes before its prompt is tokenised (the cheap ones,
+        and room in the queue, so a busy server does not tokenise what it will refuse)."""
+        admission.check_text(body)
+        self.check_model(body.model)
+        admission.check_stops(body.stop_strings, self.limits)
+        admission.check_queue(self.loop.stats.num_waiting + self.num_starting, self.limits)
 
     def generation(self, body, prompt_token_ids: list[int], default_max_tokens: int) -> Generation:
         """A Generation of this request, its fields checked and mapped to SamplingParams."""
@@ -62,7 +91,11 @@ class ServedModel:
 
     async def answer(self, generation: Generation, body, request: Request) -> Response:
         """Start the generation (a rejection is a 400), then stream it or send it whole."""
-        await generation.start()
+        self.num_starting += 1  # counted as queued until the loop has queued it
+        try:
+            await generation.start()
+        finally:
+            self.num_starting -= 1
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(
@@ -76,38 +109,43 @@ def create_app(
     llm: LLM,
     model_name: str,
     api_key: str | None = None,
-    max_body_bytes: int = MAX_BODY_BYTES,
+    limits: ServerLimits | None = None,
     loop: AsyncEngine | None = None,
 ) -> FastAPI:
-    """The app serving `llm` as `model_name`; `loop` defaults to an AsyncEngine over its engine."""
-    served = ServedModel(llm, model_name, loop or AsyncEngine(llm.engine))
+    """The app serving `llm` as `model_name`; `loop` defaults to an AsyncEngine over its engine.
+    With `api_key`, every route but /health (the OpenAPI schema too) needs it; "" is refused."""
+    if api_key is not None and not api_key:
+        raise ValueError("an empty API key would let anyone in; give a key, or None for no key")
+    limits = limits or ServerLimits()
+    served = ServedModel(llm, model_name, loop or AsyncEngine(llm.engine), limits)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         served.loop.start()
         try:
             yield
-        finally:
-            served.loop.shutdown()
+        finally:  # joining the engine blocks: not on the event loop
+            await asyncio.to_thread(served.loop.shutdown)
 
     app = FastAPI(title="nanoserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.served = served
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodyReader, limits=limits)
+    if api_key is not None:  # added last: the outermost, so it runs before the body is read
+        app.add_middleware(APIKeyGuard, api_key=api_key)
     add_error_handlers(app)
-    guarded = [Depends(api_key_check(api_key))] if api_key else []
 
     @app.get("/health")
     async def health() -> Response:
         ok = served.loop.is_running
         return JSONResponse({"status": "ok" if ok else "engine loop stopped"}, 200 if ok else 503)
 
-    @app.get("/metrics", dependencies=guarded)
+    @app.get("/metrics")
     async def metrics() -> Response:
         return PlainTextResponse(
             served.metrics.render(served.loop.stats), media_type="text/plain; version=0.0.4"
         )
 
-    @app.get("/v1/models", dependencies=guarded)
+    @app.get("/v1/models")
     async def models() -> dict:
         card = {
             "id": served.name,
@@ -118,20 +156,20 @@ def create_app(
         }
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions", dependencies=guarded)
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        served.check_model(body.model)
-        ids = served.encode(body.prompt, "prompt") if isinstance(body.prompt, str) else body.prompt
+        served.check(body)
+        if isinstance(body.prompt, str):
+            admission.check_prompt_chars(len(body.prompt), "prompt", limits)
+            ids = await served.encode(body.prompt, "prompt")
+        else:
+            ids = body.prompt
         return await served.answer(served.generation(body, ids, 16), body, request)
 
-    @app.post("/v1/chat/completions", dependencies=guarded)
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        served.check_model(body.model)
-        try:
-            prompt = llm.apply_chat_template(body.conversation)
-        except Exception as err:  # no tokenizer, no template, or a template that refuses
-            raise APIError(400, f"the chat template failed: {err}", param="messages") from None
-        ids = served.encode(prompt, "messages")
+        served.check(body)
+        ids = await served.encode(await served.chat_prompt(body), "messages")
         room = max(1, llm.config.max_model_len - len(ids))  # OpenAI's default: to the context end
         body.max_tokens = body.max_completion_tokens or body.max_tokens
         return await served.answer(served.generation(body, ids, room), body, request)
@@ -139,28 +177,12 @@ def create_app(
     return app
 
 
-def api_key_check(api_key: str):
-    """A dependency: 401 unless `Authorization: Bearer <api_key>` (compared in constant time)."""
-    expected = f"Bearer {api_key}".encode()
-
-    async def check(request: Request) -> None:
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
-            raise APIError(
-                401,
-                "missing or incorrect API key (Authorization: Bearer <key>)",
-                code="invalid_api_key",
-            )
-
-    return check
-
-
 def add_error_handlers(app: FastAPI) -> None:
     """Every error as OpenAI's error object: APIError, validation, unknown routes, bugs."""
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, err: APIError) -> Response:
-        return JSONResponse(err.body(), err.status)
+        return JSONResponse(err.body(), err.status, headers=err.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, err: RequestValidationError) -> Response:
@@ -189,53 +211,51 @@ def api_response(
     return JSONResponse(APIError(status, message, param, type).body(), status)
 
 
-class BodyLimit:
-    """ASGI middleware: read the body whole first, and answer 413 when it is over max_bytes.
+async def off_loop_if_long(num_chars: int, function, *args, **kwargs):
+    """function(*args, **kwargs), on a worker thread when its text is long (the tokenizer and
+    the chat template release the event loop then; a short text is not worth the hop)."""
+    if num_chars <= INLINE_TOKENIZE_CHARS:
+        return function(*args, **kwargs)
+    return await asyncio.to_thread(function, *args, **kwargs)
 
-    The body is replayed to the app afterwards, and later `receive` calls (the disconnect a
-    handler waits for) go to the server as usual.
+
+class Server(uvicorn.Server):
+    """uvicorn's server, which ends every generation before it waits for the connections.
+
+    uvicorn stops (SIGINT, SIGTERM, `should_exit`) by closing its sockets, then waiting up to
+    its grace period for the responses in flight: a stream runs until its request finishes, so
+    it waited out the whole period, and the stream ended without a finish reason. Here the engine
+    loop is told to stop first: every request ends with "abort", every stream with its last
+    chunk and [DONE], and the wait is over as soon as the bytes are out.
     """
 
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, config: uvicorn.Config, app: FastAPI):
+        super().__init__(config)
+        self.served: ServedModel = app.state.served
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length", b"0")
-        if declared.isdigit() and int(declared) > self.max_bytes:
-            return await self.too_large(scope, receive, send)
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left before sending it all
-                return None
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
-                return await self.too_large(scope, receive, send)
-            if not message.get("more_body", False):
-                break
-        replayed = False
+    async def shutdown(self, sockets=None) -> None:
+        self.served.loop.request_stop()  # no wait: the lifespan joins the loop at the end
+        await super().shutdown(sockets)
 
-        async def replay():
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
 
-        return await self.app(scope, replay, send)
-
-    async def too_large(self, scope, receive, send):
-        message = f"the request body is over the server's limit of {self.max_bytes} bytes"
-        await api_response(413, message)(scope, receive, send)
+def make_server(
+    app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info"
+) -> Server:
+    """A Server for `app` with its limits on every socket (port 0: any free port)."""
+    limits = app.state.served.limits
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        http=guarded_protocol(limits),
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+    )
+    return Server(config, app)
 
 
 def run_server(
     app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info"
 ) -> None:
-    """Serve `app` with uvicorn until interrupted (Ctrl-C stops it cleanly)."""
-    import uvicorn
-
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    """Serve `app` until SIGINT or SIGTERM: every stream ends with "abort", then it returns."""
+    make_server(app, host, port, log_level).run()

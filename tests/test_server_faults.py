@@ -1,0 +1,460 @@
+"""The server under faults and hostile clients: invalid Unicode, shutdown with streams in flight,
+API keys, and every limit (connections, slow headers and bodies, prompt characters, stop strings,
+the queue). Each case is a real uvicorn server on 127.0.0.1 (`ServerThread`, or `nanoserve serve`
+in a subprocess for the signals) over the tiny character-level model of test_serving.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from urllib.parse import urlsplit
+
+import pytest
+
+from nanoserve import LLM
+from nanoserve.testing import ServerThread, save_tiny_chat_model
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+from nanoserve.serving.limits import ServerLimits  # noqa: E402
+from nanoserve.serving.server import create_app  # noqa: E402
+
+MODEL = "tiny-chat"
+ENGINE = dict(device="cpu", dtype="float64", max_model_len=96, block_size=4, num_kv_blocks=160)
+TIMEOUT = 60
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
+
+
+@pytest.fixture(scope="module")
+def llm(folder):
+    return LLM(folder, **ENGINE)
+
+
+LIMITS = ServerLimits(max_prompt_chars=500, max_stop_strings=3, max_stop_chars=8)
+
+
+@pytest.fixture(scope="module")
+def url(llm):
+    with ServerThread(create_app(llm, MODEL, limits=LIMITS)) as base_url:
+        yield base_url
+
+
+def slowed(llm: LLM, monkeypatch, seconds: float = 0.02) -> None:
+    """Make every engine step take at least `seconds`, so requests stay in flight a while."""
+    step = llm.engine.step
+
+    def slow_step():
+        time.sleep(seconds)
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", slow_step)
+
+
+def raw_post(conn: http.client.HTTPConnection, path: str, body: str, headers=None):
+    """POST a body written by hand (json.dumps would escape what these tests need raw)."""
+    conn.request(
+        "POST", path, body.encode(), {"content-type": "application/json", **(headers or {})}
+    )
+    response = conn.getresponse()
+    return response.status, dict(response.getheaders()), response.read()
+
+
+def connect(url: str) -> http.client.HTTPConnection:
+    parts = urlsplit(url)
+    return http.client.HTTPConnection(parts.hostname, parts.port, timeout=TIMEOUT)
+
+
+# ---- invalid Unicode: a 400 naming the field, and the connection stays open ----
+
+LONE_SURROGATE = r"\ud800"  # valid JSON, not valid Unicode; a tokenizer refuses it
+BAD_TEXT = [  # (path, body with the surrogate somewhere, param)
+    ("/v1/completions", f'{{"model": "{MODEL}", "prompt": "hi {LONE_SURROGATE}"}}', "prompt"),
+    (
+        "/v1/completions",
+        f'{{"model": "{MODEL}", "prompt": "hi", "stop": ["a", "{LONE_SURROGATE}"]}}',
+        "stop.1",
+    ),
+    (
+        "/v1/chat/completions",
+        f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "{LONE_SURROGATE}"}}]}}',
+        "messages.0.content",
+    ),
+    ("/v1/completions", f'{{"model": "x{LONE_SURROGATE}", "prompt": "hi"}}', "model"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), BAD_TEXT, ids=[p for *_, p in BAD_TEXT])
+def test_invalid_unicode_in_a_text_field_is_a_400_naming_it_and_the_connection_is_kept(
+    url, path, body, param
+):
+    conn = connect(url)
+    status, _, content = raw_post(conn, path, body)
+    assert status == 400, content
+    error = json.loads(content)["error"]
+    assert error["param"] == param and "Unicode" in error["message"]
+    sock = conn.sock
+    assert sock is not None, "the server closed the keep-alive connection"
+    ok = f'{{"model": "{MODEL}", "prompt": "hi", "max_tokens": 2}}'
+    status, _, content = raw_post(conn, "/v1/completions", ok)
+    assert status == 200 and conn.sock is sock, "the next request reused the same connection"
+    conn.close()
+
+
+# ---- the request limits ----
+
+
+@pytest.mark.parametrize(
+    ("extra", "why"),
+    [({"stop": ["a", "b", "c", "d"]}, "4 stop strings"), ({"stop": "x" * 9}, "9 characters")],
+)
+def test_too_many_or_too_long_stop_strings_are_a_400_naming_stop(url, extra, why):
+    body = {"model": MODEL, "prompt": "hi", **extra}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "stop" and why in error["message"] and "--max-stop" in error["message"]
+
+
+def test_a_prompt_over_the_character_limit_is_refused_before_it_is_tokenised(url, llm, monkeypatch):
+    calls = []
+    monkeypatch.setattr(llm.tokenizer, "encode", lambda *a, **k: calls.append(a) or [1])
+    long_prompt = {"model": MODEL, "prompt": "x" * 501}
+    response = httpx.post(f"{url}/v1/completions", json=long_prompt, timeout=TIMEOUT)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+    messages = [{"role": "user", "content": "x" * 300}, {"role": "user", "content": "y" * 300}]
+    chat = {"model": MODEL, "messages": messages}
+    response = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=TIMEOUT)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+    assert calls == [], "the tokenizer never ran"
+
+
+def test_a_long_prompt_is_tokenised_off_the_event_loop(llm, monkeypatch):
+    threads = []
+    encode = llm.tokenizer.encode
+
+    def recording_encode(*args, **kwargs):
+        threads.append(threading.current_thread())
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(llm.tokenizer, "encode", recording_encode)
+    limits = ServerLimits(max_prompt_chars=None)
+    with ServerThread(create_app(llm, MODEL, limits=limits)) as base_url:
+        body = {"model": MODEL, "prompt": "ab" * 5000, "max_tokens": 1}  # 10,000 characters
+        response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=TIMEOUT)
+        assert response.status_code == 400  # too long for the engine: tokenised, then refused
+        short = {"model": MODEL, "prompt": "ab", "max_tokens": 1}
+        assert httpx.post(f"{base_url}/v1/completions", json=short).status_code == 200
+    long_thread, short_thread = threads
+    assert short_thread.name == "uvicorn-test", "a short prompt stays on the event loop"
+    assert long_thread is not short_thread, "the long one went to a worker thread"
+
+
+def test_past_the_queue_limit_a_request_is_a_503_with_retry_after(llm):
+    from nanoserve.serving.request_stream import EngineStats
+
+    app = create_app(llm, MODEL, limits=ServerLimits(max_queued_requests=3))
+    loop = app.state.served.loop
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    with ServerThread(app) as base_url:
+        # what the loop thread publishes after a step; an idle loop keeps it until a command comes
+        loop.stats = EngineStats(num_running=64, num_waiting=3)
+        full = httpx.post(f"{base_url}/v1/completions", json=body, timeout=TIMEOUT)
+        assert full.status_code == 503 and full.headers["retry-after"] == "1"
+        assert full.json()["error"]["code"] == "server_busy"
+        loop.stats = EngineStats(num_running=64, num_waiting=2)
+        assert httpx.post(f"{base_url}/v1/completions", json=body).status_code == 200
+
+
+# ---- the socket limits ----
+
+
+def open_socket(url: str) -> socket.socket:
+    parts = urlsplit(url)
+    sock = socket.create_connection((parts.hostname, parts.port), timeout=TIMEOUT)
+    return sock
+
+
+def read_all(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the socket."""
+    chunks = []
+    while chunk := sock.recv(65536):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_connections_past_the_limit_are_answered_503_and_closed(llm):
+    app = create_app(llm, MODEL, limits=ServerLimits(max_connections=2))
+    with ServerThread(app) as base_url:
+        idle = [open_socket(base_url) for _ in range(2)]
+        time.sleep(0.1)  # both accepted
+        refused = read_all(open_socket(base_url))
+        assert refused.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in refused
+        idle[0].close()
+        time.sleep(0.1)
+        assert httpx.get(f"{base_url}/health", timeout=TIMEOUT).status_code == 200
+        idle[1].close()
+
+
+def test_slow_headers_and_a_slow_body_are_answered_408_and_closed(llm):
+    limits = ServerLimits(header_timeout_s=0.3, body_timeout_s=0.3)
+    with ServerThread(create_app(llm, MODEL, limits=limits)) as base_url:
+        started = time.monotonic()
+        silent = open_socket(base_url)  # never sends a byte
+        partial = open_socket(base_url)
+        partial.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")  # no blank line yet
+        slow_body = open_socket(base_url)
+        slow_body.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b'content-length: 100\r\n\r\n{"model"'
+        )
+        for sock in (silent, partial, slow_body):
+            assert read_all(sock).startswith(b"HTTP/1.1 408")
+        assert time.monotonic() - started < 5
+        kept = connect(base_url)  # a client that keeps up is not timed out between requests
+        for _ in range(2):
+            kept.request("GET", "/health")
+            assert kept.getresponse().read() == b'{"status":"ok"}'
+            time.sleep(0.2)
+
+
+# ---- API keys: checked first, from a file or the environment, never empty ----
+
+
+def test_a_wrong_key_is_a_401_before_the_body_is_read_and_the_schema_is_guarded(llm):
+    with ServerThread(create_app(llm, MODEL, api_key="s3cret")) as base_url:
+        sock = open_socket(base_url)  # declares 10 MB and sends none of it
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: 10000000\r\n\r\n"
+        )
+        answer = read_all(sock)
+        assert answer.startswith(b"HTTP/1.1 401") and b"invalid_api_key" in answer
+        bad_json = httpx.post(f"{base_url}/v1/completions", content=b"{", timeout=TIMEOUT)
+        assert bad_json.status_code == 401
+        assert httpx.get(f"{base_url}/openapi.json").status_code == 401
+        keyed = {"Authorization": "Bearer s3cret"}
+        assert httpx.get(f"{base_url}/openapi.json", headers=keyed).status_code == 200
+        assert httpx.get(f"{base_url}/docs", headers=keyed).status_code == 404  # off
+        assert httpx.get(f"{base_url}/health").status_code == 200
+
+
+def test_an_empty_api_key_is_refused(llm):
+    with pytest.raises(ValueError, match="empty"):
+        create_app(llm, MODEL, api_key="")
+
+
+def test_the_api_key_comes_from_the_flag_or_a_file_else_the_environment(tmp_path):
+    from nanoserve.serving.startup import api_key_from
+
+    key_file = tmp_path / "key"
+    key_file.write_text("from-a-file\n")
+    assert api_key_from(None, str(key_file), environ={}) == "from-a-file"
+    assert api_key_from(None, None, environ={"NANOSERVE_API_KEY": "from-env"}) == "from-env"
+    assert api_key_from("k", None, environ={}) == "k"
+    assert api_key_from(None, None, environ={}) is None
+    assert api_key_from("k", None, environ={"NANOSERVE_API_KEY": "from-env"}) == "k"
+    with pytest.raises(ValueError, match="twice"):
+        api_key_from("k", str(key_file), environ={})
+    (tmp_path / "empty").write_text("\n")
+    for flag, file, environ in [
+        ("", None, {}),
+        (None, str(tmp_path / "empty"), {}),
+        (None, None, {"NANOSERVE_API_KEY": ""}),
+    ]:
+        with pytest.raises(ValueError, match="empty"):
+            api_key_from(flag, file, environ=environ)
+    with pytest.raises(ValueError, match="cannot read"):
+        api_key_from(None, str(tmp_path / "missing"), environ={})
+
+
+def test_serve_refuses_an_empty_key_at_startup_before_loading_anything(capsys, monkeypatch):
+    from nanoserve.cli import main
+
+    monkeypatch.delenv("NANOSERVE_API_KEY", raising=False)
+    assert main(["serve", "--model", "no-such-model", "--api-key", ""]) == 2
+    assert "--api-key: the API key is empty" in capsys.readouterr().err
+
+
+def test_a_server_beyond_the_loopback_without_a_key_gets_a_loud_warning():
+    from nanoserve.serving.startup import exposure_warning
+
+    assert "WARNING" in exposure_warning("0.0.0.0", None)
+    assert "WARNING" in exposure_warning("my-host.example", None)
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        assert exposure_warning(host, None) is None
+    assert exposure_warning("0.0.0.0", "a-key") is None
+
+
+def test_the_open_file_limit_is_raised_to_fit_the_connection_limit():
+    import resource
+
+    from nanoserve.serving.startup import SPARE_FILES, open_files_for
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+        assert open_files_for(ServerLimits(max_connections=512)) is None
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == 512 + SPARE_FILES
+        if hard != resource.RLIM_INFINITY:
+            warning = open_files_for(ServerLimits(max_connections=hard))
+            assert "ulimit -n" in warning
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+# ---- shutdown with streams in flight ----
+
+
+async def stream_until_done(base_url: str, body: dict, first_chunk: asyncio.Event) -> list[str]:
+    """Every `data:` line of one stream; sets first_chunk once its first token has come."""
+    lines = []
+    async with (
+        httpx.AsyncClient(base_url=base_url, timeout=TIMEOUT) as http,
+        http.stream("POST", "/v1/completions", json=body) as response,
+    ):
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                lines.append(line[6:])
+                first_chunk.set()
+    return lines
+
+
+def assert_aborted_with_done(lines: list[str]) -> None:
+    assert lines[-1] == "[DONE]", lines[-3:]
+    assert json.loads(lines[-2])["choices"][0]["finish_reason"] == "abort", lines[-3:]
+
+
+STREAM = {"model": MODEL, "prompt": "hi", "max_tokens": 90, "ignore_eos": True, "stream": True}
+
+
+def test_a_server_told_to_stop_ends_every_request_with_abort_and_every_stream_with_done(
+    folder, monkeypatch
+):
+    llm = LLM(folder, stage=10, max_num_seqs=2, **ENGINE)  # two run, one waits
+    slowed(llm, monkeypatch)
+    server = ServerThread(create_app(llm, MODEL))
+    base_url = server.__enter__()
+
+    async def whole(body: dict) -> dict:
+        async with httpx.AsyncClient(base_url=base_url, timeout=TIMEOUT) as http:
+            return (await http.post("/v1/completions", json=body)).json()
+
+    async def three_streams_and_a_whole_one_then_stop():
+        first = asyncio.Event()
+        streams = [
+            asyncio.ensure_future(stream_until_done(base_url, STREAM, first)) for _ in range(3)
+        ]
+        not_streamed = asyncio.ensure_future(whole({**STREAM, "stream": False}))
+        await first.wait()
+        started = time.monotonic()
+        await asyncio.to_thread(server.__exit__)
+        results = await asyncio.gather(*streams, not_streamed)
+        return results, time.monotonic() - started
+
+    results, seconds = asyncio.run(
+        asyncio.wait_for(three_streams_and_a_whole_one_then_stop(), TIMEOUT)
+    )
+    *streamed, not_streamed = results
+    for lines in streamed:
+        assert_aborted_with_done(lines)
+    assert not_streamed["choices"][0]["finish_reason"] == "abort"
+    assert seconds < 3, f"the server took {seconds:.1f} s to stop"
+    assert llm.engine.scheduler.is_finished()
+    assert llm.engine.manager.num_free_blocks == llm.engine.manager.num_blocks
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def children_of(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(child) for child in f.read().split()]
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT to the group"])
+def test_nanoserve_serve_stops_on_a_signal_in_under_3_s_ending_every_stream(folder, how):
+    port = free_port()
+    command = [sys.executable, "-m", "nanoserve", "serve", folder, "--port", str(port)]
+    command += ["--served-model-name", MODEL, "--log-level", "warning", "--max-num-seqs", "1"]
+    command += ["--device", "cpu", "--dtype", "float64", "--max-model-len", "96"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    server = subprocess.Popen(
+        command, env=env, start_new_session=True, stderr=subprocess.PIPE, text=True
+    )
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline and server.poll() is None:
+            try:
+                if httpx.get(f"{base_url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        children = children_of(server.pid)  # the engine process (and multiprocessing's tracker)
+
+        async def streams_then_signal():
+            first = asyncio.Event()
+            body = {**STREAM, "max_tokens": 80}
+            streams = [
+                asyncio.ensure_future(stream_until_done(base_url, body, first)) for _ in range(3)
+            ]
+            await first.wait()  # one has a token; the others run or wait
+            started = time.monotonic()
+            if how == "SIGTERM":
+                server.send_signal(signal.SIGTERM)
+            else:  # a terminal's Ctrl-C: the server and its engine process both get it
+                os.killpg(server.pid, signal.SIGINT)
+            results = await asyncio.gather(*streams)
+            await asyncio.to_thread(server.wait, TIMEOUT)
+            return results, time.monotonic() - started
+
+        results, seconds = asyncio.run(asyncio.wait_for(streams_then_signal(), TIMEOUT))
+        stderr = server.stderr.read()
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+    for lines in results:
+        assert_aborted_with_done(lines)
+    assert seconds < 3, f"the server took {seconds:.1f} s to exit"
+    assert server.returncode == (-signal.SIGTERM if how == "SIGTERM" else 130), stderr
+    assert "Traceback" not in stderr, stderr
+    deadline = time.monotonic() + 2  # multiprocessing's resource tracker exits on its own EOF
+    while any(map(is_alive, children)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [cmdline(pid) for pid in children if is_alive(pid)]
+    assert left == [], "child processes were left behind"
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except FileNotFoundError:
+        return f"pid {pid}, gone"
+
+
+def is_alive(pid: int) -> bool:
+    """True if `pid` runs (a zombie is dead: it only waits for init to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
