@@ -301,3 +301,37 @@ def test_ctrl_c_during_a_chat_reply_keeps_what_came_and_returns_to_the_prompt(ca
 
     assert chat_reply(Interrupted(), [], None) == "Paris is"
     assert capsys.readouterr().out == "Paris is [interrupted]\n"
+
+
+def test_a_chat_reply_cut_by_max_tokens_is_marked(capsys):
+    from nanoserve.cli import chat_reply
+
+    class Cut:
+        def apply_chat_template(self, history):
+            return "prompt"
+
+        def stream(self, prompt, params):
+            yield "The capital of France"
+            return "length"
+
+    assert chat_reply(Cut(), [], None) == "The capital of France"
+    assert capsys.readouterr().out == "The capital of France [length]\n"
+
+
+@pytest.mark.slow
+def test_llm_stream_returns_the_finish_reason(smollm2_llm):
+    from nanoserve import SamplingParams
+
+    def collect(pieces):
+        reason = yield from pieces
+        return reason
+
+    text: list[str] = []
+    gen = collect(smollm2_llm.stream("Hi", SamplingParams(max_tokens=3, ignore_eos=True)))
+    while True:
+        try:
+            text.append(next(gen))
+        except StopIteration as end:
+            assert end.value == "length"
+            break
+    assert "".join(text)

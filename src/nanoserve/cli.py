@@ -106,10 +106,18 @@ def cmd_chat(args) -> int:
 
 
 def chat_reply(llm, history: list[dict], params) -> str:
-    """Stream the reply to the conversation; Ctrl-C cuts it short and keeps what came."""
+    """Stream the reply to the conversation; Ctrl-C cuts it short and keeps what came. A reply
+    cut by max_tokens (or the context) ends with [length]."""
     reply = ""
+    pieces = llm.stream(llm.apply_chat_template(history), params)
     try:
-        for piece in llm.stream(llm.apply_chat_template(history), params):
+        while True:
+            try:
+                piece = next(pieces)
+            except StopIteration as end:  # the generator returns the finish reason
+                if end.value == "length":
+                    print(" [length]", end="")
+                break
             print(piece, end="", flush=True)
             reply += piece
     except KeyboardInterrupt:  # the stream's generator aborted the request as it closed

@@ -7,7 +7,7 @@ the mechanism lives in `nanoserve.engine`, `nanoserve.cache` and `nanoserve.kern
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
 from tqdm import tqdm
@@ -127,8 +127,11 @@ class LLM:
         self._need_tokenizer()
         return chat_prompt(self.tokenizer, conversation)
 
-    def stream(self, prompt: str, sampling_params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield pieces of the completion text as tokens are produced."""
+    def stream(
+        self, prompt: str, sampling_params: SamplingParams | None = None
+    ) -> Generator[str, None, str | None]:
+        """Yield pieces of the completion text as tokens are produced; the generator returns the
+        finish reason ("stop", "length"), which `yield from` or StopIteration.value carries."""
         _, (ids,) = self._tokenize_all([prompt])
         (params,) = self._params_per_prompt(sampling_params, 1)
         seq = self.engine.add_request(ids, params)
@@ -142,6 +145,7 @@ class LLM:
                     printed = text
         finally:
             self.engine.abort([seq])
+        return seq.finish_reason
 
     def _tokenize_all(self, prompts) -> tuple[list[str | None], list[list[int]]]:
         if isinstance(prompts, str):
