@@ -305,6 +305,7 @@ def test_ctrl_c_during_a_chat_reply_keeps_what_came_and_returns_to_the_prompt(ca
 
 def test_a_chat_reply_cut_by_max_tokens_is_marked(capsys):
     from nanoserve.cli import chat_reply
+    from nanoserve.llm import RequestOutput
 
     class Cut:
         def apply_chat_template(self, history):
@@ -312,7 +313,7 @@ def test_a_chat_reply_cut_by_max_tokens_is_marked(capsys):
 
         def stream(self, prompt, params):
             yield "The capital of France"
-            return "length"
+            return RequestOutput("prompt", [1], "The capital of France", [2, 3], "length")
 
     assert chat_reply(Cut(), [], None) == "The capital of France"
     assert capsys.readouterr().out == "The capital of France [length]\n"
@@ -332,6 +333,6 @@ def test_llm_stream_returns_the_finish_reason(smollm2_llm):
         try:
             text.append(next(gen))
         except StopIteration as end:
-            assert end.value == "length"
+            assert end.value.finish_reason == "length" and len(end.value.token_ids) == 3
+            assert end.value.text == "".join(text)
             break
-    assert "".join(text)

@@ -78,12 +78,31 @@ def cmd_generate(args) -> int:
         from nanoserve.engine.trace import format_step
 
         llm.engine.on_step = lambda record: print(format_step(record, llm.engine.manager))
-    outputs = llm.generate(prompts, params, use_tqdm=not args.trace)
-    for question, out in zip(args.prompts, outputs):
-        print(
-            f"> {question}\n{out.text.strip()}\n[{len(out.token_ids)} tokens, {out.finish_reason}]"
-        )
+    if len(prompts) == 1 and llm.tokenizer is not None and not args.trace:
+        outputs = [stream_one(llm, args.prompts[0], prompts[0], params)]
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=not args.trace)
+        for question, out in zip(args.prompts, outputs):
+            print(f"> {question}\n{out.text.strip()}")
+            print(f"[{len(out.token_ids)} tokens, {out.finish_reason}]")
     return 0
+
+
+def stream_one(llm, question: str, prompt: str, params):
+    """One prompt's completion printed as it is generated, then its token count and reason."""
+    print(f"> {question}")
+    pieces, started = llm.stream(prompt, params), False
+    while True:
+        try:
+            piece = next(pieces)
+        except StopIteration as end:
+            out = end.value
+            break
+        if not started:  # the reply's leading whitespace, as the batch path strips it
+            piece, started = piece.lstrip(), bool(piece.strip())
+        print(piece, end="", flush=True)
+    print(f"\n[{len(out.token_ids)} tokens, {out.finish_reason}]")
+    return out
 
 
 def cmd_chat(args) -> int:
@@ -114,8 +133,8 @@ def chat_reply(llm, history: list[dict], params) -> str:
         while True:
             try:
                 piece = next(pieces)
-            except StopIteration as end:  # the generator returns the finish reason
-                if end.value == "length":
+            except StopIteration as end:  # the generator returns the finished request
+                if end.value.finish_reason == "length":
                     print(" [length]", end="")
                 break
             print(piece, end="", flush=True)

@@ -129,9 +129,9 @@ class LLM:
 
     def stream(
         self, prompt: str, sampling_params: SamplingParams | None = None
-    ) -> Generator[str, None, str | None]:
-        """Yield pieces of the completion text as tokens are produced; the generator returns the
-        finish reason ("stop", "length"), which `yield from` or StopIteration.value carries."""
+    ) -> Generator[str, None, RequestOutput]:
+        """Yield pieces of the completion text as tokens are produced; the generator then returns
+        the finished request's RequestOutput (`yield from` or StopIteration.value carries it)."""
         _, (ids,) = self._tokenize_all([prompt])
         (params,) = self._params_per_prompt(sampling_params, 1)
         seq = self.engine.add_request(ids, params)
@@ -145,7 +145,7 @@ class LLM:
                     printed = text
         finally:
             self.engine.abort([seq])
-        return seq.finish_reason
+        return self._output(prompt, seq)
 
     def _tokenize_all(self, prompts) -> tuple[list[str | None], list[list[int]]]:
         if isinstance(prompts, str):
