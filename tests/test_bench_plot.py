@@ -1,5 +1,6 @@
 """`bench --plot PATH`: the run's report drawn as an image, and --plot refused before any loading
-when it cannot be written (no matplotlib, no such folder)."""
+when it cannot be written (no matplotlib, no such folder); the GPU workload on a CPU warned
+about before it starts."""
 
 from __future__ import annotations
 
@@ -53,3 +54,17 @@ def test_plot_without_matplotlib_says_what_to_install(monkeypatch, tmp_path):
     )
     with pytest.raises(ValueError, match="argument --plot: matplotlib is not installed"):
         run_bench(parse(*TINY_RUN, "--plot", str(tmp_path / "bench.png")))
+
+
+def test_the_gpu_workload_on_a_cpu_is_warned_about_and_a_small_one_is_not(capsys):
+    import torch
+
+    from nanoserve.bench.run import warn_if_large_on_cpu
+    from nanoserve.bench.workload import make_workload
+
+    warn_if_large_on_cpu(torch.device("cpu"), make_workload(256, 1024, 1024))
+    err = capsys.readouterr().err
+    assert "is the GPU workload; on a CPU it takes hours" in err and "--num-seqs 16" in err
+    warn_if_large_on_cpu(torch.device("cpu"), make_workload(16, 256, 64))
+    warn_if_large_on_cpu(torch.device("cuda"), make_workload(256, 1024, 1024))
+    assert capsys.readouterr().err == ""

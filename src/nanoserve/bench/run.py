@@ -14,6 +14,7 @@ import contextlib
 import functools
 import math
 import os
+import sys
 from collections.abc import Callable
 
 from nanoserve.bench import serve
@@ -172,6 +173,23 @@ def bench_workload(args, vocab_size: int | None) -> Workload:
     return workload if vocab_size is None else workload.fold_ids(vocab_size)
 
 
+CPU_OUTPUT_TOKENS = 5_000  # more than this on a CPU is a long wait (the small run makes 601)
+
+
+def warn_if_large_on_cpu(device, workload: Workload) -> None:
+    """A warning on stderr (no question: the run goes on) when a CPU is given a GPU-sized run."""
+    output_tokens = sum(workload.max_tokens)
+    if device.type != "cpu" or output_tokens <= CPU_OUTPUT_TOKENS:
+        return
+    print(
+        f"warning: {len(workload.max_tokens)} requests and up to {output_tokens:,} output tokens "
+        "is the GPU workload; on a CPU it takes hours. Ctrl-C stops it; a CPU-sized run is "
+        "nanoserve bench --num-seqs 16 --max-input-len 256 --max-output-len 64",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def check_bench_flags(args) -> None:
     """The flags that say what to compare and how often, checked before anything loads."""
     check_peer_path(args.peer_path, args.compare)
@@ -224,6 +242,7 @@ def run_bench(args) -> int:
         check_peer(flags, args.peer_path)
     workload = bench_workload(args, flags.model_config.vocab_size)
     check_fits(flags.config, workload)
+    warn_if_large_on_cpu(flags.device, workload)
     spec, model = load_bench_model(flags)
     header = describe(args, model, flags.config, workload)
     print("\n".join(header), flush=True)
