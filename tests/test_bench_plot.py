@@ -68,3 +68,24 @@ def test_the_gpu_workload_on_a_cpu_is_warned_about_and_a_small_one_is_not(capsys
     warn_if_large_on_cpu(torch.device("cpu"), make_workload(16, 256, 64))
     warn_if_large_on_cpu(torch.device("cuda"), make_workload(256, 1024, 1024))
     assert capsys.readouterr().err == ""
+
+
+def test_bench_shows_progress_only_on_a_terminal_and_not_when_quiet(monkeypatch):
+    from nanoserve.bench import run
+
+    monkeypatch.setattr(run.sys.stderr, "isatty", lambda: True)
+    assert run.progress(parse(*TINY_RUN)) is True
+    assert run.progress(parse(*TINY_RUN, "--quiet")) is False
+    monkeypatch.setattr(run.sys.stderr, "isatty", lambda: False)
+    assert run.progress(parse(*TINY_RUN)) is False
+
+
+def test_a_bar_of_finished_requests_goes_to_stderr(capsys):
+    from nanoserve import LLM, SamplingParams
+    from nanoserve.bench.nanoserve_engine import drive
+
+    llm = LLM("tiny-llama", device="cpu", dtype="float32", max_model_len=64)
+    params = [SamplingParams(max_tokens=3, ignore_eos=True)] * 2
+    seqs = drive(llm.engine, [[1, 2, 3], [4, 5]], params, progress="stage 11")
+    assert all(s.is_finished for s in seqs)
+    assert "stage 11" in capsys.readouterr().err

@@ -33,19 +33,31 @@ def load_bench_model(flags: CheckedFlags):
     return spec, load_model(spec.source, spec.device, spec.dtype)
 
 
-def drive(engine, prompts: list[list[int]], params: list) -> list:
-    """Queue every request and step until all finish (what `LLM.generate` does, minus text)."""
+def drive(engine, prompts: list[list[int]], params: list, progress: str | None = None) -> list:
+    """Queue every request and step until all finish (what `LLM.generate` does, minus text).
+
+    progress: a label for a bar of finished requests on stderr (None: no bar; a bar only
+    redraws a few times a second, so the timed loop barely notices it)."""
+    from tqdm import tqdm
+
     seqs = [engine.add_request(ids, p) for ids, p in zip(prompts, params)]
-    while engine.has_unfinished():
-        engine.step()
+    with tqdm(total=len(seqs), desc=progress, disable=progress is None, leave=False) as bar:
+        while engine.has_unfinished():
+            bar.update(len(engine.step()))
     return seqs
 
 
 def run_nanoserve(
-    spec, model, stage: int, config: EngineConfig, workload: Workload, parts=None
+    spec,
+    model,
+    stage: int,
+    config: EngineConfig,
+    workload: Workload,
+    parts=None,
+    progress: bool = False,
 ) -> BenchResult:
     """Build the stage's engine on `model`, warm it up, and time the whole workload; `parts`
-    (--impl's LearnerParts) puts the learner's pieces into it."""
+    (--impl's LearnerParts) puts the learner's pieces into it; progress: a bar on stderr."""
     from nanoserve.layers.compiled import unfuse_small_ops
     from nanoserve.llm_arguments import prefix_caching_components
     from nanoserve.parallel.group import start_engine
@@ -69,7 +81,8 @@ def run_nanoserve(
     preemptions_before = engine.scheduler.num_preemptions
     prefill_before = engine.num_prefill_tokens
     start = timer(device)
-    seqs = drive(engine, workload.prompt_token_ids, params[1:])
+    label = f"stage {stage}" if progress else None
+    seqs = drive(engine, workload.prompt_token_ids, params[1:], label)
     seconds = timer(device) - start
     preemptions = engine.scheduler.num_preemptions - preemptions_before
     prefill_tokens = engine.num_prefill_tokens - prefill_before

@@ -93,6 +93,11 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
     p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress bars (they are shown only on a terminal anyway)",
+    )
+    p.add_argument(
         "--plot",
         default=None,
         metavar="PATH",
@@ -173,6 +178,11 @@ def bench_workload(args, vocab_size: int | None) -> Workload:
     return workload if vocab_size is None else workload.fold_ids(vocab_size)
 
 
+def progress(args) -> bool:
+    """Bars on stderr while engines run: on a terminal, unless --quiet."""
+    return not args.quiet and sys.stderr.isatty()
+
+
 CPU_OUTPUT_TOKENS = 5_000  # more than this on a CPU is a long wait (the small run makes 601)
 
 
@@ -208,7 +218,8 @@ def engine_runners(args, flags: CheckedFlags, spec, model, stages, workload, sta
     if parts is not None:  # --impl: its pieces run in the engine of their one stage
         stages = [parts.engine_stage]
     runners: list[Runner] = [
-        functools.partial(run_nanoserve, spec, model, n, config, workload, parts) for n in stages
+        functools.partial(run_nanoserve, spec, model, n, config, workload, parts, progress(args))
+        for n in stages
     ]
     if args.compare == PEER:
         from nanoserve.bench.peer import run_peer
@@ -293,7 +304,7 @@ def run_serve_bench(args, stages: list[int]) -> int:
         # offline runs the learner's engine parts; stage 10's loop runs only in the server
         yours = parts if parts is not None and parts.components else None
         stage = stages[0] if parts is None else parts.engine_stage
-        results.append(run_nanoserve(spec, model, stage, config, workload, yours))
+        results.append(run_nanoserve(spec, model, stage, config, workload, yours, progress(args)))
         dtype = str(model.dtype).removeprefix("torch.")
         del model  # the server loads its own; free this copy's memory first
         release_memory(spec.device)
