@@ -8,6 +8,7 @@ time.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 from pathlib import Path
@@ -112,6 +113,21 @@ def greedy_token_ids(folder: str, stage: int, requests, **engine_options) -> lis
     llm = LLM(folder, stage=stage, device="cpu", dtype="float64", **engine_options)
     prompts, params = requests
     return [out.token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@contextlib.contextmanager
+def raises(expected: type[BaseException], call: str):
+    """pytest.raises(expected) for a graded test: a failure names the call and what it did."""
+    __tracebackhide__ = True  # pytest shows the test's line, not this helper's
+    try:
+        yield
+    except expected:
+        return
+    except Exception as err:
+        raise AssertionError(
+            f"{call} raised {type(err).__name__}({err}); expected {expected.__name__}"
+        ) from err
+    raise AssertionError(f"{call} returned normally; expected it to raise {expected.__name__}")
 
 
 @torch.inference_mode()

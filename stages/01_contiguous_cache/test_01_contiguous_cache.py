@@ -95,8 +95,13 @@ def test_task_2_deallocate_returns_the_slab_and_forgets_what_was_cached(impl):
     seq.num_cached_tokens = 5  # the engine sets this after each step
     manager.deallocate(seq)
     assert seq.slab_id is None, f"after deallocate, seq.slab_id is {seq.slab_id}, expected None"
-    assert seq.num_cached_tokens == 0, "a sequence that runs again must be prefilled from token 0"
-    assert manager.num_free_slabs == 1, "the slab must be free again"
+    got = seq.num_cached_tokens
+    assert got == 0, (
+        f"after deallocate, seq.num_cached_tokens is {got}, expected 0: a sequence that runs "
+        "again must be prefilled from token 0"
+    )
+    got = manager.num_free_slabs
+    assert got == 1, f"after deallocate, num_free_slabs is {got} of 1: the slab must be free again"
     assert manager.can_allocate(new_seq()), "the freed slab must be admissible"
 
 

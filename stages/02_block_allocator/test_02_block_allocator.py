@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nanoserve import LLM
-from nanoserve.testing import ENGINE_MAX_MODEL_LEN, ENGINE_PROMPT_LENGTHS, engine_requests
+from nanoserve.testing import ENGINE_MAX_MODEL_LEN, ENGINE_PROMPT_LENGTHS, engine_requests, raises
 
 # derandomized: a learner sees the same examples on every run, so a grade never flickers
 GRADED = settings(
@@ -63,14 +63,14 @@ def test_task_1_num_free_blocks_counts_what_is_left(impl):
 def test_task_2_asking_for_more_than_is_free_raises_out_of_blocks(impl):
     allocator = impl.BlockAllocator(4)
     allocator.allocate(3)
-    with pytest.raises(impl.OutOfBlocks):
+    with raises(impl.OutOfBlocks, "allocate(2) with 1 of 4 blocks free"):
         allocator.allocate(2)
 
 
 def test_task_2_a_refused_allocation_changes_nothing(impl):
     allocator = impl.BlockAllocator(4)
     allocator.allocate(1)
-    with pytest.raises(impl.OutOfBlocks):
+    with raises(impl.OutOfBlocks, "allocate(4) with 3 of 4 blocks free"):
         allocator.allocate(4)
     assert_num_free(allocator, 3, "4 blocks, 1 handed out, then a refused allocate(4)")
     assert_allocates(
@@ -83,7 +83,7 @@ def test_task_2_the_whole_pool_can_be_taken_and_then_nothing_more(impl):
     got = sorted(allocator.allocate(3))
     assert got == [0, 1, 2], f"allocate(3) on a pool of 3 returned blocks {got} (sorted)"
     assert_num_free(allocator, 0, "the whole pool of 3 handed out")
-    with pytest.raises(impl.OutOfBlocks):
+    with raises(impl.OutOfBlocks, "allocate(1) with the whole pool of 3 handed out"):
         allocator.allocate(1)
 
 
@@ -113,7 +113,7 @@ def test_task_3_reuse_after_a_free_scatters_the_next_request(impl):
 def test_task_4_freeing_a_block_twice_raises_value_error(impl):
     allocator = impl.BlockAllocator(4)
     allocator.free(allocator.allocate(2))
-    with pytest.raises(ValueError):
+    with raises(ValueError, "free([0]) of a block already freed"):
         allocator.free([0])
 
 
@@ -125,7 +125,7 @@ def test_task_4_freeing_a_block_twice_raises_value_error(impl):
 def test_task_4_a_rejected_free_raises_value_error_and_frees_nothing(impl, bad_ids):
     allocator = impl.BlockAllocator(4)
     held = allocator.allocate(2)  # [0, 1]
-    with pytest.raises(ValueError):
+    with raises(ValueError, f"free({[1, *bad_ids]}) with blocks [0, 1] held"):
         allocator.free([1, *bad_ids])
     assert_num_free(allocator, 2, f"blocks [0, 1] held, then a rejected free({[1, *bad_ids]})")
     allocator.free(held)  # both still count as handed out, so this is legal
@@ -161,7 +161,7 @@ def test_task_5_any_sequence_of_operations_matches_the_stack_model(impl, num_blo
         if not model.held or data.draw(st.booleans(), label="allocate?"):
             n = data.draw(st.integers(0, num_blocks + 1), label="n")
             if n > len(model.free_stack):
-                with pytest.raises(impl.OutOfBlocks):
+                with raises(impl.OutOfBlocks, f"after {', '.join(ops)}: allocate({n})"):
                     allocator.allocate(n)
                 ops.append(f"allocate({n}) -> OutOfBlocks")
             else:

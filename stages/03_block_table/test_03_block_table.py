@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from nanoserve import LLM
 from nanoserve.engine.allocator import BlockAllocator, OutOfBlocks
-from nanoserve.testing import ENGINE_MAX_MODEL_LEN, ENGINE_PROMPT_LENGTHS, engine_requests
+from nanoserve.testing import ENGINE_MAX_MODEL_LEN, ENGINE_PROMPT_LENGTHS, engine_requests, raises
 
 # derandomized: a learner sees the same examples on every run, so a grade never flickers
 GRADED = settings(
@@ -134,15 +134,15 @@ def test_task_2_slot_is_block_id_times_block_size_plus_offset(impl):
 def test_task_2_positions_outside_the_sequence_raise_index_error(impl, p):
     table = impl.BlockTable(BlockAllocator(8), 4)
     table.append(10)  # positions 0..9; the last block has room for 10 and 11, but they are empty
-    with pytest.raises(IndexError):
+    with raises(IndexError, f"position({p}) of a 10-token table"):
         table.position(p)
-    with pytest.raises(IndexError):
+    with raises(IndexError, f"slot({p}) of a 10-token table"):
         table.slot(p)
 
 
 def test_task_2_an_empty_table_has_no_positions(impl):
     table = impl.BlockTable(BlockAllocator(2), 4)
-    with pytest.raises(IndexError):
+    with raises(IndexError, "position(0) of an empty table"):
         table.position(0)
 
 
@@ -153,7 +153,7 @@ def test_task_3_growth_the_pool_cannot_cover_raises_and_changes_nothing(impl):
     allocator = BlockAllocator(3)
     table = impl.BlockTable(allocator, 4)
     table.append(4)  # one full block; two left in the pool
-    with pytest.raises(OutOfBlocks):
+    with raises(OutOfBlocks, "append(9) on 4 tokens, needing 3 blocks with 2 free"):
         table.append(9)  # positions 4..12 need three more blocks
     assert_table(table, 4, [0], "after a refused append(9)")
     assert_num_free(allocator, 2, "after a refused append(9), which may strand no block")
@@ -166,7 +166,7 @@ def test_task_3_with_the_pool_empty_a_table_still_grows_inside_its_last_block(im
     table = impl.BlockTable(allocator, 4)
     table.append(2)
     table.append(2)  # the pool is empty, but these positions already have a block
-    with pytest.raises(OutOfBlocks):
+    with raises(OutOfBlocks, "append(1) on a full block with the pool empty"):
         table.append(1)
     got = table.num_tokens
     assert got == 4, f"after a refused append(1) with the pool empty: num_tokens {got}, expected 4"

@@ -114,8 +114,10 @@ class Run:
         """Finish or preemption."""
         self.manager.deallocate(seq)
         self.live.remove(seq)
-        assert (seq.block_table, seq.num_cached_tokens) == ([], 0), (
-            "deallocate must leave seq.block_table == [] and seq.num_cached_tokens == 0"
+        got = (seq.block_table, seq.num_cached_tokens)
+        assert got == ([], 0), (
+            f"after deallocate, (seq.block_table, seq.num_cached_tokens) is {got}; deallocate "
+            "must leave ([], 0)"
         )
         self.check()
 
@@ -251,8 +253,10 @@ def test_task_2_seed_prompt_b_shares_block_0_and_prefills_only_its_9_new_tokens(
     b = seq_of(B)
     admission = manager.can_allocate(b)
     assert admission.fits and admission.num_cached_blocks == 1, f"can_allocate gave {admission}"
-    assert (b.block_table, b.num_cached_tokens, manager.num_free_blocks) == ([], 0, 5), (
-        "can_allocate must change nothing"
+    got = (b.block_table, b.num_cached_tokens, manager.num_free_blocks)
+    assert got == ([], 0, 5), (
+        f"after can_allocate(B), (B's table, B's num_cached_tokens, free blocks) is {got}, "
+        "expected ([], 0, 5): can_allocate must change nothing"
     )
     manager.allocate(b)
     run.live.append(b)
