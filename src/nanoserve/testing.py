@@ -130,6 +130,13 @@ def raises(expected: type[BaseException], call: str):
     raise AssertionError(f"{call} returned normally; expected it to raise {expected.__name__}")
 
 
+def assert_num_free(allocator, want: int, when: str) -> None:
+    """allocator.num_free_blocks == want; a failure says when, and what it was."""
+    __tracebackhide__ = True
+    got = allocator.num_free_blocks
+    assert got == want, f"{when}: num_free_blocks is {got}, expected {want}"
+
+
 @torch.inference_mode()
 def next_token_logits(model, token_ids: list[int]) -> torch.Tensor:
     """Logits (V,) after token_ids by a full recompute (stage 00's arithmetic), float32 on CPU."""

@@ -13,7 +13,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nanoserve import LLM
-from nanoserve.testing import ENGINE_MAX_MODEL_LEN, ENGINE_PROMPT_LENGTHS, engine_requests, raises
+from nanoserve.testing import (
+    ENGINE_MAX_MODEL_LEN,
+    ENGINE_PROMPT_LENGTHS,
+    assert_num_free,
+    engine_requests,
+    raises,
+)
 
 # derandomized: a learner sees the same examples on every run, so a grade never flickers
 GRADED = settings(
@@ -30,11 +36,6 @@ def assert_allocates(allocator, num_blocks: int, want: list[int], after: str) ->
     got = allocator.allocate(num_blocks)
     assert got == want, f"{after}: allocate({num_blocks}) returned blocks {got}, expected {want}"
     return got
-
-
-def assert_num_free(allocator, want: int, after: str) -> None:
-    got = allocator.num_free_blocks
-    assert got == want, f"{after}: num_free_blocks is {got}, expected {want}"
 
 
 # ---- task 1: a fresh pool ----

@@ -16,7 +16,13 @@ from hypothesis import strategies as st
 
 from nanoserve import LLM
 from nanoserve.engine.allocator import BlockAllocator, OutOfBlocks
-from nanoserve.testing import ENGINE_MAX_MODEL_LEN, ENGINE_PROMPT_LENGTHS, engine_requests, raises
+from nanoserve.testing import (
+    ENGINE_MAX_MODEL_LEN,
+    ENGINE_PROMPT_LENGTHS,
+    assert_num_free,
+    engine_requests,
+    raises,
+)
 
 # derandomized: a learner sees the same examples on every run, so a grade never flickers
 GRADED = settings(
@@ -55,11 +61,6 @@ def assert_position(table, p: int, block_id: int, offset: int, when: str) -> Non
 def assert_slot(table, p: int, want: int, when: str) -> None:
     got = table.slot(p)
     assert got == want, f"{when}: slot({p}) is {got}, expected {want}"
-
-
-def assert_num_free(allocator, want: int, when: str) -> None:
-    got = allocator.num_free_blocks
-    assert got == want, f"{when}: the pool has {got} free blocks, expected {want}"
 
 
 # ---- task 1: lazy growth ----
