@@ -8,6 +8,7 @@ time.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 from pathlib import Path
@@ -112,6 +113,28 @@ def greedy_token_ids(folder: str, stage: int, requests, **engine_options) -> lis
     llm = LLM(folder, stage=stage, device="cpu", dtype="float64", **engine_options)
     prompts, params = requests
     return [out.token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@contextlib.contextmanager
+def raises(expected: type[BaseException], call: str):
+    """pytest.raises(expected) for a graded test: a failure names the call and what it did."""
+    __tracebackhide__ = True  # pytest shows the test's line, not this helper's
+    try:
+        yield
+    except expected:
+        return
+    except Exception as err:
+        raise AssertionError(
+            f"{call} raised {type(err).__name__}({err}); expected {expected.__name__}"
+        ) from err
+    raise AssertionError(f"{call} returned normally; expected it to raise {expected.__name__}")
+
+
+def assert_num_free(allocator, want: int, when: str) -> None:
+    """allocator.num_free_blocks == want; a failure says when, and what it was."""
+    __tracebackhide__ = True
+    got = allocator.num_free_blocks
+    assert got == want, f"{when}: num_free_blocks is {got}, expected {want}"
 
 
 @torch.inference_mode()

@@ -108,7 +108,9 @@ def test_task_1_rms_norm_keeps_shape_and_bfloat16_and_matches_hugging_face(impl)
         hf.weight.copy_(torch.randn(64))
     x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
     y = impl.rms_norm(x, hf.weight.detach(), 1e-5)
-    assert y.shape == x.shape and y.dtype == torch.bfloat16
+    got = (tuple(y.shape), y.dtype)
+    want = (tuple(x.shape), torch.bfloat16)
+    assert got == want, f"rms_norm returned (shape, dtype) {got}, expected the input's {want}"
     torch.testing.assert_close(y, hf(x).detach())
 
 
@@ -123,7 +125,9 @@ def test_task_2_rotate_half_maps_halves_to_minus_second_then_first(impl):
 
 def test_task_2_inv_freq_is_theta_to_the_minus_two_i_over_head_dim(impl):
     inv_freq = impl.rope_inv_freq(4, 10000.0)
-    assert inv_freq.shape == (2,) and inv_freq.dtype == torch.float32
+    got = (tuple(inv_freq.shape), inv_freq.dtype)
+    want = ((2,), torch.float32)
+    assert got == want, f"rope_inv_freq(4, ...) gave (shape, dtype) {got}, expected {want}"
     torch.testing.assert_close(inv_freq, torch.tensor([1.0, 0.01]))
     expected = torch.tensor([500000.0 ** (-2 * i / 64) for i in range(32)])
     torch.testing.assert_close(impl.rope_inv_freq(64, 500000.0), expected)
@@ -133,7 +137,9 @@ def test_task_2_cos_sin_hold_position_times_frequency_in_both_halves(impl):
     # the lesson's worked trace: position 2, head_dim 4, theta 10000 -> angles [2, 0.02, 2, 0.02]
     inv_freq = impl.rope_inv_freq(4, 10000.0)
     cos, sin = impl.rope_cos_sin(torch.tensor([0, 2]), inv_freq, torch.float64)
-    assert cos.shape == sin.shape == (2, 4) and cos.dtype == sin.dtype == torch.float64
+    got = [(tuple(t.shape), t.dtype) for t in (cos, sin)]
+    want = [((2, 4), torch.float64)] * 2
+    assert got == want, f"(shape, dtype) of cos and sin: {got}, expected {want}"
     angles = torch.tensor([[0.0, 0.0, 0.0, 0.0], [2.0, 0.02, 2.0, 0.02]], dtype=torch.float64)
     torch.testing.assert_close(cos, angles.cos(), atol=1e-6, rtol=0)
     torch.testing.assert_close(sin, angles.sin(), atol=1e-6, rtol=0)
@@ -166,7 +172,10 @@ def test_task_2_rotated_scores_depend_only_on_the_distance_between_positions(imp
         q_rot, _ = rotate(impl, q, k, torch.tensor([q_pos]))
         _, k_rot = rotate(impl, q, k, torch.tensor([k_pos]))
         scores.append(float((q_rot * k_rot).sum()))
-    assert scores == pytest.approx([scores[0]] * 3, abs=1e-5)
+    assert scores == pytest.approx([scores[0]] * 3, abs=1e-5), (
+        f"q.k at positions (7, 3), (12, 8), (40, 36) gave {scores}: all are 4 apart, so all "
+        "three scores must be equal"
+    )
 
 
 def test_task_2_rope_matches_hugging_face_llama_rotary_embedding(impl):
@@ -231,7 +240,9 @@ def test_task_3_output_has_the_query_shape_and_dtype(impl):
     q = torch.randn(3, 4, 8, dtype=torch.bfloat16)
     k, v = torch.randn(2, 7, 1, 8, dtype=torch.bfloat16)
     out = impl.attend(q, k, v, 8**-0.5)
-    assert out.shape == (3, 4, 8) and out.dtype == torch.bfloat16
+    got = (tuple(out.shape), out.dtype)
+    want = ((3, 4, 8), torch.bfloat16)
+    assert got == want, f"attend returned (shape, dtype) {got}, expected the query's {want}"
     expected = attention_oracle(q.double(), k.double(), v.double(), 8**-0.5)
     torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
 
@@ -266,8 +277,9 @@ DYADIC = torch.tensor([0.125, 0.5, 0.0625, 0.25, 0.0625])
 
 def test_task_5_top_k_keeps_exactly_the_k_most_likely_tokens(impl):
     probs = torch.tensor([0.05, 0.3, 0.1, 0.25, 0.2, 0.1 - 1e-3, 1e-3])
-    assert support_of(impl.filter_probs(probs, 3, 1.0)) == {1, 3, 4}
-    assert support_of(impl.filter_probs(probs, 1, 1.0)) == {1}
+    for top_k, want in [(3, {1, 3, 4}), (1, {1})]:
+        got = support_of(impl.filter_probs(probs, top_k, 1.0))
+        assert got == want, f"top_k={top_k} kept tokens {sorted(got)}, expected {sorted(want)}"
 
 
 TOP_P_CASES = [(0.4, {1}), (0.5, {1}), (0.7, {1, 3}), (0.75, {1, 3}), (0.8, {0, 1, 3})]
@@ -277,13 +289,18 @@ TOP_P_CASES = [(0.4, {1}), (0.5, {1}), (0.7, {1, 3}), (0.75, {1, 3}), (0.8, {0, 
     ("top_p", "kept"), [pytest.param(p, kept, id=f"p={p}") for p, kept in TOP_P_CASES]
 )
 def test_task_5_top_p_keeps_the_smallest_set_whose_mass_reaches_p(impl, top_p, kept):
-    assert support_of(impl.filter_probs(DYADIC, None, top_p)) == kept
+    got = support_of(impl.filter_probs(DYADIC, None, top_p))
+    assert got == kept, (
+        f"top_p={top_p} over probs {DYADIC.tolist()} kept tokens {sorted(got)}, expected "
+        f"{sorted(kept)}"
+    )
 
 
 def test_task_5_top_p_is_measured_on_what_top_k_left(impl):
     probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
     # after top-2 the mass is 0.7, so token 0 alone holds 0.4 / 0.7 > 0.5 of it
-    assert support_of(impl.filter_probs(probs, 2, 0.5)) == {0}
+    got = support_of(impl.filter_probs(probs, 2, 0.5))
+    assert got == {0}, f"top_k=2 then top_p=0.5 kept tokens {sorted(got)}, expected [0]"
 
 
 def test_task_5_kept_tokens_keep_their_relative_sizes_and_input_is_untouched(impl):
@@ -292,15 +309,18 @@ def test_task_5_kept_tokens_keep_their_relative_sizes_and_input_is_untouched(imp
     filtered = impl.filter_probs(probs, 10, 0.6)
     torch.testing.assert_close(probs, original)
     kept = filtered > 0
-    assert 1 <= int(kept.sum()) <= 10
+    num_kept = int(kept.sum())
+    assert 1 <= num_kept <= 10, f"top_k=10 kept {num_kept} tokens, expected 1 to 10"
     ratio = filtered[kept] / probs[kept]
     torch.testing.assert_close(ratio, ratio[0].expand_as(ratio))
 
 
 def test_task_5_no_limits_keep_every_token(impl):
     probs = torch.softmax(torch.randn(20), dim=0)
-    assert support_of(impl.filter_probs(probs, None, 1.0)) == set(range(20))
-    assert support_of(impl.filter_probs(probs, 20, 1.0)) == set(range(20))
+    for top_k in (None, 20):
+        got = support_of(impl.filter_probs(probs, top_k, 1.0))
+        dropped = sorted(set(range(20)) - got)
+        assert got == set(range(20)), f"top_k={top_k}, top_p=1.0 dropped tokens {dropped}"
 
 
 # ---- task 6: sampling ----
@@ -309,14 +329,15 @@ def test_task_5_no_limits_keep_every_token(impl):
 def test_task_6_temperature_zero_returns_the_argmax(impl):
     for seed in range(5):
         logits = torch.randn(100, generator=torch.Generator().manual_seed(seed))
-        assert int(impl.sample(logits, 0.0, None, 1.0, None)) == int(logits.argmax())
+        got, want = int(impl.sample(logits, 0.0, None, 1.0, None)), int(logits.argmax())
+        assert got == want, f"temperature 0 (logits seed {seed}) sampled {got}, argmax is {want}"
 
 
 def test_task_6_top_k_one_returns_the_argmax_at_any_temperature(impl):
     logits = torch.tensor([0.1, 2.0, 1.9, -1.0])
     generator = torch.Generator().manual_seed(0)
     tokens = {int(impl.sample(logits, 5.0, 1, 1.0, generator)) for _ in range(50)}
-    assert tokens == {1}
+    assert tokens == {1}, f"top_k=1 at temperature 5 drew tokens {sorted(tokens)}, expected [1]"
 
 
 def test_task_6_the_same_seed_gives_the_same_tokens_whatever_ran_between(impl):
@@ -326,7 +347,10 @@ def test_task_6_the_same_seed_gives_the_same_tokens_whatever_ran_between(impl):
         torch.manual_seed(global_seed)  # the global stream differs; the private one does not
         generator = torch.Generator().manual_seed(1234)
         runs.append([int(impl.sample(logits, 1.0, None, 1.0, generator)) for _ in range(40)])
-    assert runs[0] == runs[1]
+    assert runs[0] == runs[1], (
+        f"seed 1234 drew {runs[0]} after torch.manual_seed(1) but {runs[1]} after "
+        "torch.manual_seed(2): draw from the generator passed in, not the global stream"
+    )
     assert len(set(runs[0])) > 1, "a flat distribution must not always give the same token"
 
 
@@ -396,7 +420,12 @@ def test_task_7_greedy_generation_that_recomputes_everything_matches_hugging_fac
     hf_tokens = tiny_llama.generate(
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False
     )
-    assert tokens == hf_tokens[0].tolist()
+    want = hf_tokens[0].tolist()
+    first = next((i for i, (a, b) in enumerate(zip(tokens, want)) if a != b), len(want))
+    assert tokens == want, (
+        f"generated {tokens}, Hugging Face {want}: they part at position {first} (the prompt "
+        f"is positions 0-{len(prompt) - 1})"
+    )
 
 
 # ---- engine-level check ----

@@ -33,11 +33,12 @@ def assert_fields(what: str, got: dict, expected: dict) -> None:
 
 def test_task_1_a_fresh_manager_hands_out_slabs_0_1_2_in_order(impl):
     manager = impl.SlabManager(3)
-    assert manager.num_slabs == 3
+    assert manager.num_slabs == 3, f"SlabManager(3).num_slabs is {manager.num_slabs}, expected 3"
     seqs = [new_seq() for _ in range(3)]
     for seq in seqs:
         manager.allocate(seq)
-    assert [seq.slab_id for seq in seqs] == [0, 1, 2]
+    got = [seq.slab_id for seq in seqs]
+    assert got == [0, 1, 2], f"three sequences admitted in turn got slabs {got}, expected [0, 1, 2]"
 
 
 def test_task_1_can_allocate_and_num_free_slabs_follow_the_admissions(impl):
@@ -58,7 +59,11 @@ def test_task_1_every_request_within_max_model_len_fits_a_slab(
     impl, num_prompt_tokens, max_num_tokens
 ):
     # the engine caps max_num_tokens at max_model_len, and a slab holds max_model_len tokens
-    assert impl.SlabManager(1).check_fits(num_prompt_tokens, max_num_tokens) is None
+    got = impl.SlabManager(1).check_fits(num_prompt_tokens, max_num_tokens)
+    assert got is None, (
+        f"check_fits({num_prompt_tokens}, {max_num_tokens}) returned {got!r}: a request of at "
+        "most max_model_len tokens fits a slab, and a request that fits gets None"
+    )
 
 
 # ---- task 2: growth and giving slabs back ----
@@ -89,9 +94,14 @@ def test_task_2_deallocate_returns_the_slab_and_forgets_what_was_cached(impl):
     manager.allocate(seq)
     seq.num_cached_tokens = 5  # the engine sets this after each step
     manager.deallocate(seq)
-    assert seq.slab_id is None
-    assert seq.num_cached_tokens == 0, "a sequence that runs again must be prefilled from token 0"
-    assert manager.num_free_slabs == 1, "the slab must be free again"
+    assert seq.slab_id is None, f"after deallocate, seq.slab_id is {seq.slab_id}, expected None"
+    got = seq.num_cached_tokens
+    assert got == 0, (
+        f"after deallocate, seq.num_cached_tokens is {got}, expected 0: a sequence that runs "
+        "again must be prefilled from token 0"
+    )
+    got = manager.num_free_slabs
+    assert got == 1, f"after deallocate, num_free_slabs is {got} of 1: the slab must be free again"
     assert manager.can_allocate(new_seq()), "the freed slab must be admissible"
 
 
@@ -108,7 +118,8 @@ def test_task_2_a_returned_slab_goes_to_the_next_sequence(impl):
     )
     manager.deallocate(b)
     manager.deallocate(c)
-    assert manager.num_free_slabs == 2
+    got = manager.num_free_slabs
+    assert got == 2, f"after b and c are deallocated too, num_free_slabs is {got}, expected 2"
 
 
 def test_task_2_no_interleaving_of_admissions_and_releases_hands_one_slab_to_two_sequences(impl):
@@ -124,8 +135,11 @@ def test_task_2_no_interleaving_of_admissions_and_releases_hands_one_slab_to_two
             holding.append(seq)
         slab_ids = [seq.slab_id for seq in holding]
         assert len(set(slab_ids)) == len(slab_ids), f"two sequences share a slab: {slab_ids}"
-        assert set(slab_ids) <= {0, 1, 2, 3}
-        assert manager.num_free_slabs == 4 - len(holding)
+        assert set(slab_ids) <= {0, 1, 2, 3}, f"slab ids {slab_ids} outside 0..3 of 4 slabs"
+        got = manager.num_free_slabs
+        assert got == 4 - len(holding), (
+            f"num_free_slabs is {got} while {len(holding)} of 4 slabs are held ({slab_ids})"
+        )
 
 
 # ---- task 3: writing and reading a slab ----
@@ -168,7 +182,9 @@ def test_task_3_store_writes_through_a_view_of_the_engines_whole_cache(impl):
 def test_task_3_load_returns_positions_zero_to_end_of_one_slab_in_order(impl, end):
     cache = random_cache()
     loaded = impl.load_slab(cache, 2, end)
-    assert loaded.shape == (end, NUM_KV_HEADS, HEAD_DIM) and loaded.dtype == torch.float64
+    got = (tuple(loaded.shape), loaded.dtype)
+    want = ((end, NUM_KV_HEADS, HEAD_DIM), torch.float64)
+    assert got == want, f"load_slab(cache, 2, {end}) gave (shape, dtype) {got}, expected {want}"
     for p in range(end):
         assert torch.equal(loaded[p], cache[2, p]), f"position {p} of slab 2"
 
@@ -270,10 +286,16 @@ def test_task_4_running_sequences_hold_distinct_slabs_and_the_rest_wait_their_tu
     while engine.has_unfinished():  # what LLM.generate does, one step at a time
         engine.step()
         slab_ids = [seq.slab_id for seq in scheduler.running]
-        assert None not in slab_ids and len(set(slab_ids)) == len(slab_ids), slab_ids
-        assert len(slab_ids) <= ENGINE_SLABS
-        assert engine.manager.num_free_slabs == ENGINE_SLABS - len(slab_ids)
+        assert None not in slab_ids and len(set(slab_ids)) == len(slab_ids), (
+            f"running sequences hold slabs {slab_ids}: each needs one of its own"
+        )
+        assert len(slab_ids) <= ENGINE_SLABS, f"{len(slab_ids)} running on {ENGINE_SLABS} slabs"
+        got = engine.manager.num_free_slabs
+        assert got == ENGINE_SLABS - len(slab_ids), (
+            f"num_free_slabs is {got} while the running sequences hold {slab_ids}"
+        )
         num_steps_with_a_queue += bool(scheduler.waiting)
     assert all(seq.slab_id is None for seq in seqs), "a finished sequence must give its slab back"
-    assert engine.manager.num_free_slabs == ENGINE_SLABS
+    got = engine.manager.num_free_slabs
+    assert got == ENGINE_SLABS, f"after every request finished, {got} of {ENGINE_SLABS} slabs free"
     assert num_steps_with_a_queue > 0, "with 3 slabs for 8 requests, some must have waited"

@@ -5,9 +5,11 @@ Run against any implementation with `pytest stages/06_paged_attention --impl ref
 Without a GPU the kernels run through Triton's interpreter (the repository's conftest.py sets
 TRITON_INTERPRET=1) on tiny shapes in float32 and float64, whose `tl.dot` the interpreter gets
 right. Every sequence's K/V sits on shuffled blocks of a pool whose other slots hold NaN, so a
-kernel that reads a slot it does not own returns NaN. The oracle is `attend` (stage 00's torch
-attention) over the K/V each sequence was given. Task 5 plugs your functions into the reference
-engine (`LLM(stage=6, attention_backend="triton", components=...)`).
+kernel that reads a slot it does not own returns NaN; the output tensor is passed in (`out`)
+filled with NaN too, so a row never written is NaN on every run, and a failure reruns the call to
+tell the two apart. The oracle is `attend` (stage 00's torch attention) over the K/V each
+sequence was given. Task 5 plugs your functions into the reference engine
+(`LLM(stage=6, attention_backend="triton", components=...)`).
 """
 
 from __future__ import annotations
@@ -75,9 +77,100 @@ class Pages:
         return attend(q.cpu().double(), k.double(), v.double(), self.scale)
 
 
-def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, rows) -> None:
+    """got == want within the dtype's tolerance; rows[i] is output row i's (request, position)."""
     tol = TOLERANCE[dtype]
-    torch.testing.assert_close(got.cpu().double(), want, atol=tol, rtol=tol)
+    got = got.cpu().double()
+    far = ((got - want).abs() > tol + tol * want.abs()).flatten(1).any(1).tolist()
+    wrong = [rows[i] for i, is_far in enumerate(far) if is_far]
+    torch.testing.assert_close(
+        got,
+        want,
+        atol=tol,
+        rtol=tol,
+        msg=lambda found: f"attention differs from the oracle for {describe(wrong)}. {found}",
+    )
+
+
+# What `out` holds before a diagnostic rerun: far from any attention output here (a weighted mean
+# of values drawn from randn), so an element that still holds it was never written.
+UNWRITTEN = 4096.0
+
+
+def call_kernel(kernel, pages: Pages, q, fill: float, args: tuple, owned_only: bool, **launch):
+    """kernel(q, k_cache, v_cache, *args, out, **launch), `out` a tensor full of `fill` (the
+    engine's positional order); with owned_only, on a copy of the pool whose slots no sequence
+    owns hold 0 instead of NaN."""
+    k_cache, v_cache = pages.k_cache, pages.v_cache
+    if owned_only:
+        k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
+    return kernel(q, k_cache, v_cache, *args, torch.full_like(q, fill), **launch)
+
+
+def rows_not_finite(got: torch.Tensor) -> list[int]:
+    return [i for i in range(got.shape[0]) if not torch.isfinite(got[i]).all()]
+
+
+def describe(rows: list[tuple[int, int]]) -> str:
+    """(request, position) pairs as 'request 0 at positions 32..69, request 2 at position 4';
+    position -1 is a padding row (context 0)."""
+    parts, by_request = [], {}
+    for request, position in rows:
+        by_request.setdefault(request, []).append(position)
+    for request, positions in by_request.items():
+        if positions == [-1]:
+            parts.append(f"request {request} (padding, context 0)")
+            continue
+        runs = []  # consecutive positions as "a..b"
+        for p in sorted(positions):
+            if runs and p == runs[-1][1] + 1:
+                runs[-1][1] = p
+            else:
+                runs.append([p, p])
+        spans = ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in runs)
+        plural = "s" if len(positions) > 1 else ""
+        parts.append(f"request {request} at position{plural} {spans}")
+    return ", ".join(parts)
+
+
+def not_finite_message(rows: list[tuple[int, int]], bad: list[int], rerun) -> str:
+    """Why output rows `bad` hold NaN or inf, found by calling the kernel again: rows[i] is row
+    i's (request, position), and rerun(fill, owned_only) repeats the failing call."""
+    marked = rerun(UNWRITTEN, owned_only=False).cpu()
+    clean = rerun(float("nan"), owned_only=True).cpu()
+    unwritten, foreign, arithmetic = [], [], []
+    for i in bad:
+        row = rows[i]
+        if (marked[i] == UNWRITTEN).any():
+            unwritten.append(row)
+        elif torch.isfinite(clean[i]).all():
+            foreign.append(row)
+        else:
+            arithmetic.append(row)
+    causes = []
+    if unwritten:
+        causes.append(
+            f"{describe(unwritten)}: never written. `out` came in full of NaN, and a rerun with "
+            f"`out` full of {UNWRITTEN} left some of their elements at {UNWRITTEN}: no program "
+            "stored them (check the grid covers every row and head, and the store's mask)"
+        )
+    if foreign:
+        causes.append(
+            f"{describe(foreign)}: read a slot its sequence does not own. Every slot no "
+            "sequence owns holds NaN here, and with those slots set to 0 these rows are finite: "
+            "a block past the context, a -1 table entry or another sequence's page was loaded "
+            "unmasked"
+        )
+    if arithmetic:
+        causes.append(
+            f"{describe(arithmetic)}: NaN or inf even with every unowned slot set to 0 and "
+            "every element written. Either a load went outside the pool (a -1 table entry taken "
+            "as a block id addresses memory before the pool's start), or the arithmetic makes "
+            "it: a softmax divided by a zero sum (a row or partition that saw no key), or a "
+            "reduce that read partial results no program wrote (torch.empty holds whatever "
+            "that memory held)"
+        )
+    return "the output holds NaN or inf for " + ". And for ".join(causes)
 
 
 def check_prefill(impl, pages: Pages, q_lens) -> None:
@@ -87,51 +180,50 @@ def check_prefill(impl, pages: Pages, q_lens) -> None:
         cu.append(cu[-1] + n)
     q = pages.queries(cu[-1])
     cu_seqlens_q = torch.tensor(cu, dtype=torch.int32, device=DEVICE)
-    got = impl.paged_attention_prefill(
-        q,
-        pages.k_cache,
-        pages.v_cache,
-        cu_seqlens_q,
-        pages.lens,
-        pages.block_tables,
-        max(q_lens),
-        pages.scale,
-    )
+
+    def run(fill: float, owned_only: bool = False) -> torch.Tensor:
+        args = (cu_seqlens_q, pages.lens, pages.block_tables, max(q_lens), pages.scale)
+        return call_kernel(impl.paged_attention_prefill, pages, q, fill, args, owned_only)
+
+    got = run(float("nan"))
     assert got.shape == q.shape and got.dtype == q.dtype, (
         f"the output is {tuple(got.shape)} {got.dtype}; expected q's {tuple(q.shape)} {q.dtype}"
     )
+    rows = [  # output row -> (request, position): each request's last q_lens[b] positions
+        (b, pages.context_lens[b] - n + i) for b, n in enumerate(q_lens) for i in range(n)
+    ]
+    bad = rows_not_finite(got)
+    if bad:
+        raise AssertionError(not_finite_message(rows, bad, run))
     want = torch.cat([pages.expected(q[cu[b] : cu[b + 1]], b) for b in range(len(q_lens))])
-    assert_close(got, want, pages.dtype)
-
-
-def not_finite_message(got: torch.Tensor, context_lens) -> str:
-    """Which output rows hold NaN or inf, and the three ways a decode kernel gets there."""
-    rows = [b for b in range(got.shape[0]) if not torch.isfinite(got[b]).all()]
-    lens = [context_lens[b] for b in rows]
-    return (
-        f"output rows {rows} (context lengths {lens}) hold NaN or inf. Either a program read a "
-        "slot its sequence does not own (every slot no sequence owns holds NaN here: a block "
-        "past the context, a -1 table entry, another sequence's page), or a row or partition "
-        "was never written (an output from torch.empty holds whatever that memory held, so this "
-        "can come and go between runs), or a softmax divided by a zero sum"
-    )
+    assert_close(got, want, pages.dtype, rows)
 
 
 def check_decode(impl, pages: Pages, **launch) -> torch.Tensor:
     """One query per sequence at its last position; rows with context 0 must come back as 0."""
     q = pages.queries(len(pages.context_lens))
-    got = impl.paged_attention_decode(
-        q, pages.k_cache, pages.v_cache, pages.lens, pages.block_tables, pages.scale, **launch
-    )
+
+    def run(fill: float, owned_only: bool = False) -> torch.Tensor:
+        args = (pages.lens, pages.block_tables, pages.scale)
+        return call_kernel(impl.paged_attention_decode, pages, q, fill, args, owned_only, **launch)
+
+    got = run(float("nan"))
     assert got.shape == q.shape and got.dtype == q.dtype, (
         f"the output is {tuple(got.shape)} {got.dtype}; expected q's {tuple(q.shape)} {q.dtype}"
     )
-    assert torch.isfinite(got).all(), not_finite_message(got, pages.context_lens)
+    rows = [(b, n - 1) for b, n in enumerate(pages.context_lens)]  # each query's position
+    bad = rows_not_finite(got)
+    if bad:
+        raise AssertionError(not_finite_message(rows, bad, run))
     for b, n in enumerate(pages.context_lens):
         if n == 0:
-            assert not got[b].any(), f"row {b} is padding (context 0): its output must be 0"
+            largest = got[b].abs().max().item()
+            assert not got[b].any(), (
+                f"row {b} is padding (context 0): its output must be 0, yet it holds values up "
+                f"to {largest:.3g} in size"
+            )
         else:
-            assert_close(got[b : b + 1], pages.expected(q[b : b + 1], b), pages.dtype)
+            assert_close(got[b : b + 1], pages.expected(q[b : b + 1], b), pages.dtype, rows[b:])
     return got
 
 

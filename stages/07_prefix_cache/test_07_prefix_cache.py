@@ -42,7 +42,7 @@ def cached_blocks(manager, token_ids) -> int:
     return admission.num_cached_blocks
 
 
-def finds(manager, token_ids, expected: int, why: str = "") -> bool:
+def assert_finds(manager, token_ids, expected: int, why: str = "") -> None:
     """cached_blocks(manager, token_ids) == expected; if not, a message that says what a probe
     of these tokens found, what it should have found, and why."""
     found = cached_blocks(manager, token_ids)
@@ -50,7 +50,6 @@ def finds(manager, token_ids, expected: int, why: str = "") -> bool:
         f"can_allocate finds {found} cached leading block(s) for a new prompt {list(token_ids)} "
         f"(pages of {BS}); expected {expected}" + (f": {why}" if why else "")
     )
-    return True
 
 
 class Run:
@@ -115,8 +114,10 @@ class Run:
         """Finish or preemption."""
         self.manager.deallocate(seq)
         self.live.remove(seq)
-        assert (seq.block_table, seq.num_cached_tokens) == ([], 0), (
-            "deallocate must leave seq.block_table == [] and seq.num_cached_tokens == 0"
+        got = (seq.block_table, seq.num_cached_tokens)
+        assert got == ([], 0), (
+            f"after deallocate, (seq.block_table, seq.num_cached_tokens) is {got}; deallocate "
+            "must leave ([], 0)"
         )
         self.check()
 
@@ -128,8 +129,14 @@ class Run:
         for seq in self.live:
             held = len(seq.block_table) * BS
             if self.exact_tables:
-                assert held - BS < len(seq) <= held, f"{len(seq)} tokens on {seq.block_table}"
-            assert held >= seq.num_cached_tokens, f"{seq.num_cached_tokens} on {seq.block_table}"
+                assert held - BS < len(seq) <= held, (
+                    f"a {len(seq)}-token sequence sits on table {seq.block_table} ({held} "
+                    f"positions in blocks of {BS}): it must hold exactly the blocks its tokens need"
+                )
+            assert held >= seq.num_cached_tokens, (
+                f"a sequence counts {seq.num_cached_tokens} tokens as cached, but its table "
+                f"{seq.block_table} has room for {held} positions only"
+            )
             assert_served(self.slots, seq)
         num_blocks = manager.num_blocks
         held = [self.holders(b) for b in range(num_blocks)]
@@ -246,8 +253,10 @@ def test_task_2_seed_prompt_b_shares_block_0_and_prefills_only_its_9_new_tokens(
     b = seq_of(B)
     admission = manager.can_allocate(b)
     assert admission.fits and admission.num_cached_blocks == 1, f"can_allocate gave {admission}"
-    assert (b.block_table, b.num_cached_tokens, manager.num_free_blocks) == ([], 0, 5), (
-        "can_allocate must change nothing"
+    got = (b.block_table, b.num_cached_tokens, manager.num_free_blocks)
+    assert got == ([], 0, 5), (
+        f"after can_allocate(B), (B's table, B's num_cached_tokens, free blocks) is {got}, "
+        "expected ([], 0, 5): can_allocate must change nothing"
     )
     manager.allocate(b)
     run.live.append(b)
@@ -256,7 +265,8 @@ def test_task_2_seed_prompt_b_shares_block_0_and_prefills_only_its_9_new_tokens(
         f"block 0's ref count is {manager.ref_counts[0]} and B's num_cached_tokens "
         f"{b.num_cached_tokens}; expected 2 (A and B hold it) and 4 (B's first page is A's)"
     )
-    assert manager.num_free_blocks == 2, "B's shared block 0 took no free block"
+    num_free = manager.num_free_blocks
+    assert num_free == 2, f"{num_free} blocks free after B, expected 2: B's shared block 0 is free"
     run.check()
     md = (step := prepare_prefill([b], BS, "cpu")).metadata
     assert step.input_ids.tolist() == [51, 52, 53, 54, 61, 62, 63, 64, 71], (
@@ -267,7 +277,10 @@ def test_task_2_seed_prompt_b_shares_block_0_and_prefills_only_its_9_new_tokens(
         f"cu_seqlens_q {md.cu_seqlens_q.tolist()}, cu_seqlens_k {md.cu_seqlens_k.tolist()}: "
         "9 new queries over 13 keys (4 cached)"
     )
-    assert md.slot_mapping.tolist() == list(range(12, 21)), "12..15, 16..19 and 20"
+    slots = md.slot_mapping.tolist()
+    assert slots == list(range(12, 21)), (
+        f"B's prefill writes slots {slots}; expected 12..15, 16..19 and 20 (blocks 3, 4, 5)"
+    )
     assert md.block_tables.tolist() == [[0, 3, 4, 5]], f"block_tables {md.block_tables.tolist()}"
 
 
@@ -275,9 +288,9 @@ def test_task_2_the_block_holding_the_last_token_is_never_a_hit(seed):
     run, _ = seed
     # A itself again: pages 0 and 1 are cached; page 2 is partial and holds the last token
     last = "the block holding a prompt's last token is computed again, never a hit"
-    assert finds(run.manager, A, 2, last)
-    assert finds(run.manager, [*A[:8], 31], 2, last)
-    assert finds(run.manager, A[:9], 2, last)
+    assert_finds(run.manager, A, 2, last)
+    assert_finds(run.manager, [*A[:8], 31], 2, last)
+    assert_finds(run.manager, A[:9], 2, last)
 
 
 def test_task_2_a_fully_cached_prompt_still_computes_its_last_block(impl):
@@ -336,7 +349,7 @@ def test_task_3_nothing_is_found_before_the_forward_pass_that_computes_it(impl):
     # two identical prompts admitted in one step: the first one's K/V does not exist yet
     run = Run(impl.PrefixBlockManager(10, BS))
     first = run.admit(A)
-    assert finds(run.manager, B, 0, "A's blocks were findable before A's prefill ran")
+    assert_finds(run.manager, B, 0, "A's blocks were findable before A's prefill ran")
     second = run.admit(A)
     assert second.num_cached_tokens == 0 and set(second.block_table).isdisjoint(
         first.block_table
@@ -346,13 +359,13 @@ def test_task_3_nothing_is_found_before_the_forward_pass_that_computes_it(impl):
     )
     run.compute(first)
     run.compute(second)  # each prefill writes only its own blocks
-    assert finds(run.manager, B, 1, "A's prefill ran, so B's first page (A's) is findable")
+    assert_finds(run.manager, B, 1, "A's prefill ran, so B's first page (A's) is findable")
 
 
 def test_task_3_after_a_prefill_only_its_full_blocks_are_found(seed):
     run, _ = seed
-    assert finds(run.manager, [*A[:8], 1], 2, "A's two full pages were hashed after its prefill")
-    assert finds(run.manager, [*A[:11], 44, 1], 2, "the partial block 2 was served")
+    assert_finds(run.manager, [*A[:8], 1], 2, "A's two full pages were hashed after its prefill")
+    assert_finds(run.manager, [*A[:11], 44, 1], 2, "the partial block 2 was served")
 
 
 def test_task_3_a_prefill_in_chunks_makes_each_block_findable_once_its_chunk_ran(impl):
@@ -360,11 +373,11 @@ def test_task_3_a_prefill_in_chunks_makes_each_block_findable_once_its_chunk_ran
     a = run.admit(A)
     probe = [*A[:8], 1, 2]
     run.compute(a, 3)
-    assert finds(run.manager, probe, 0, "block 0 holds 3 computed tokens of 4")
+    assert_finds(run.manager, probe, 0, "block 0 holds 3 computed tokens of 4")
     run.compute(a, 3)  # 6 computed: block 0 is full of K/V, block 1 is not
-    assert finds(run.manager, probe, 1, "after a chunk of 6 tokens, block 0 is full of K/V")
+    assert_finds(run.manager, probe, 1, "after a chunk of 6 tokens, block 0 is full of K/V")
     run.compute(a, 5)  # the whole prompt
-    assert finds(run.manager, probe, 2, "after the whole prompt, blocks 0 and 1 are full")
+    assert_finds(run.manager, probe, 2, "after the whole prompt, blocks 0 and 1 are full")
 
 
 def test_task_3_seed_decode_writes_slot_11_then_slot_24_of_a_new_block_6(seed):
@@ -378,13 +391,13 @@ def test_task_3_seed_decode_writes_slot_11_then_slot_24_of_a_new_block_6(seed):
     slots = prepare_decode([a], BS, "cpu").metadata.slot_mapping.tolist()
     assert slots == [11], f"A's decode writes slot {slots}, not 11 (block 2, offset 3)"
     run.compute(a)  # block 2 is full now: [31, 32, 33, 99]
-    assert finds(run.manager, [*A, 99, 5], 3, "block 2 filled by a decode was not found")
+    assert_finds(run.manager, [*A, 99, 5], 3, "block 2 filled by a decode was not found")
     run.grow(a, 100)  # length 13: token 100 is the first of a new page
     assert a.block_table == [0, 1, 2, 6], f"A's table is {a.block_table}"
     slots = prepare_decode([a], BS, "cpu").metadata.slot_mapping.tolist()
     assert slots == [24], f"A's decode writes slot {slots}, not 24 (block 6, offset 0)"
     run.compute(a)
-    assert finds(run.manager, [*B, 9], 3, "B's pages 1 and 2 (blocks 3, 4) were hashed")
+    assert_finds(run.manager, [*B, 9], 3, "B's pages 1 and 2 (blocks 3, 4) were hashed")
 
 
 # ---- task 4: release, reclaim, and stale entries ----
@@ -440,7 +453,8 @@ def test_task_4_a_preempted_sequence_gives_back_its_references_and_finds_its_blo
 ):
     run, a, b = seed_after_decode
     run.release(b)  # preempted: its references go, its computed blocks stay findable
-    assert run.manager.ref_counts[0] == 1, "block 0's count did not drop with b's release"
+    count = run.manager.ref_counts[0]
+    assert count == 1, f"block 0's ref count is {count} after B's release, expected 1 (A's)"
     again = run.admit(b.token_ids)  # B's 13 tokens: block 0 (A's, live), blocks 3, 4 (freed)
     assert again.block_table[:3] == [0, 3, 4] and again.num_cached_tokens == 12, (
         f"B readmitted got {again.block_table} with {again.num_cached_tokens} cached tokens; "
@@ -464,13 +478,20 @@ def test_task_4_a_finished_prefix_is_reclaimed_from_the_free_list(seed):
         f"{again.num_cached_tokens} cached tokens; expected [0, 1, ...] and 8: freed blocks "
         "keep their entries until they are handed out again"
     )
-    assert run.manager.num_free_blocks == 5, "a reclaimed block must come off the free list"
+    num_free = run.manager.num_free_blocks
+    assert num_free == 5, (
+        f"{num_free} blocks free after reclaiming blocks 0 and 1 and taking one new block, "
+        "expected 5: a reclaimed block must come off the free list"
+    )
     others = [run.admit([60 + i]) for i in range(5)]  # exactly the 5 free blocks
     assert not run.manager.can_allocate(seq_of([1])), (
         f"the pool should be full, yet a 1-token prompt fits ({run.manager.num_free_blocks} free)"
     )
     taken = {b for seq in others for b in seq.block_table}
-    assert taken.isdisjoint(again.block_table), "a reclaimed block was handed out again"
+    assert taken.isdisjoint(again.block_table), (
+        f"a reclaimed block was handed out again: five new prompts got blocks {sorted(taken)}, "
+        f"the reclaiming sequence holds {again.block_table}"
+    )
 
 
 def test_task_4_a_reclaimed_block_needs_a_free_block_a_shared_one_does_not(impl):
@@ -505,7 +526,11 @@ def test_task_4_a_block_handed_out_for_new_content_is_never_served_for_its_old_c
         run.slots[block_id * BS + p % BS] = tuple(x.token_ids[: p + 1])
     run.release(x)
     again = run.admit(A[:9])
-    assert again.num_cached_tokens == 0, "A's old pages were overwritten by x"
+    got = again.num_cached_tokens
+    assert got == 0, (
+        f"A's prompt again counts {got} tokens as cached on {again.block_table}, expected 0: "
+        "x's prefill wrote new content into every block A's pages were on"
+    )
 
 
 def test_task_4_a_block_a_decode_pulls_is_never_served_for_its_old_content(impl):
@@ -553,7 +578,11 @@ def test_task_5_with_every_key_colliding_no_block_is_served_for_other_tokens(imp
     run = Run(impl.PrefixBlockManager(16, BS, hash_fn=everything_collides))
     run.compute(run.admit(A))
     other = run.admit([99, 98, 97, 96, 21, 22, 23, 24, 5])
-    assert other.num_cached_tokens == 0, "a block was served on its key alone"
+    got = other.num_cached_tokens
+    assert got == 0, (
+        f"a prompt sharing no page with A counts {got} tokens as cached on {other.block_table}: "
+        "with every key colliding, a block was served on its key alone"
+    )
     run.compute(other)
     run.compute(run.admit([*A[:8], 1]))  # whatever it finds must be A's own blocks
     run.admit([99, 98, 97, 96, 21, 22, 23, 24, 6])
@@ -613,33 +642,22 @@ def test_task_5_random_traffic_with_chunks_and_preemption_serves_only_true_prefi
         run.live = list(scheduler.running)
         run.check()
     assert scheduler.is_finished(), "the traffic did not drain"
-    assert manager.num_free_blocks == 20 and not any(manager.ref_counts), "blocks leaked"
+    num_free, ref_counts = manager.num_free_blocks, list(manager.ref_counts)
+    assert num_free == 20 and not any(ref_counts), (
+        f"blocks leaked: with every request finished, {num_free} of 20 blocks are free and "
+        f"ref_counts are {ref_counts}"
+    )
+    num_preemptions = scheduler.num_preemptions
+    assert num_preemptions > 0, "the traffic never preempted: the small pool is meant to force it"
+    # With a hash of three values nearly every block shares its key with others, and how many
+    # hits are left depends on which of them the index keeps findable (the first, the newest):
+    # a design choice, not a bug. That run grades safety only; your own hash must find hits.
     num_hits = sum(h > 0 for h in hits)
-    assert num_hits >= 10 and scheduler.num_preemptions > 0, traffic_message(
-        num_hits, len(hits), scheduler.num_preemptions, weak
-    )
-
-
-def traffic_message(num_hits: int, num_admitted: int, num_preemptions: int, weak: bool) -> str:
-    """What a run of the random traffic lacked: cache hits (at least 10), or a preemption."""
-    if num_hits >= 10:
-        return (
-            f"the traffic never preempted ({num_preemptions}): the small pool is meant to force it"
-        )
-    found = (
-        f"only {num_hits} of {num_admitted} admissions found a cached block (10 or more expected); "
-        "the traffic shares three 12-token heads, so many prompts should find their head's pages. "
-    )
-    if weak:
-        return found + (
-            "With a hash of three values nearly every block shares its key with others: if a newer "
-            "block takes over a key in your index (newest entry wins), the older block that the "
-            "next prompts of its head would hit is no longer findable. Keep the first block hashed "
-            "under a key findable until that block is reused (the reference: setdefault)."
-        )
-    return found + (
-        "Check that hash_blocks indexes every full computed block, and that deallocate leaves "
-        "freed blocks findable."
+    assert weak or num_hits >= 10, (
+        f"only {num_hits} of {len(hits)} admissions found a cached block (10 or more expected); "
+        "the traffic shares three 12-token heads, so many prompts should find their head's "
+        "pages. Check that hash_blocks indexes every full computed block, and that deallocate "
+        "leaves freed blocks findable."
     )
 
 
@@ -647,7 +665,11 @@ def run_forward(run: Run, seq: Sequence) -> None:
     """The shadow of one step's forward for seq: K/V for its scheduled tokens, into its slots."""
     for p in range(seq.num_cached_tokens, chunk_end(seq)):
         block_id = seq.block_table[p // BS]
-        assert run.holders(block_id) == 1, f"block {block_id}, shared, was written"
+        holders = run.holders(block_id)
+        assert holders == 1, (
+            f"position {p} of a {len(seq)}-token sequence is written into block {block_id}, "
+            f"which {holders} sequences hold: a shared block was written"
+        )
         run.slots[block_id * BS + p % BS] = tuple(seq.token_ids[: p + 1])
 
 
@@ -730,6 +752,9 @@ def test_task_6_your_manager_gives_stage_06_tokens_and_computes_fewer_prompt_tok
         f"{engine.num_prefill_tokens} prompt tokens computed, stage 06 computed "
         f"{stage_06_prefill}: nothing was shared"
     )
-    assert engine.manager.num_free_blocks == num_kv_blocks, "blocks leaked"
+    num_free = engine.manager.num_free_blocks
+    assert num_free == num_kv_blocks, (
+        f"blocks leaked: with every request finished, {num_free} of {num_kv_blocks} are free"
+    )
     if num_kv_blocks == 12:
-        assert engine.scheduler.num_preemptions > 0, "the pool was meant to run dry"
+        assert engine.scheduler.num_preemptions > 0, "the pool of 12 blocks was meant to run dry"

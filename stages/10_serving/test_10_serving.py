@@ -84,6 +84,11 @@ def per_stream(deliveries: list[Delivery], streams) -> list[list]:
     return [[d.item for d in deliveries if d.stream is s] for s in streams]
 
 
+def described(deliveries: list[Delivery]) -> list[tuple]:
+    """(request_id, item) per delivery: what a failure message shows instead of stream objects."""
+    return [(d.stream.request_id, d.item) for d in deliveries]
+
+
 def tokens_message(who: str, got: list[int], want: list[int]) -> str:
     """got != want, said in tokens, with the cause when it is a lost first token."""
     message = f"{who} got tokens {got}, offline gave {want}"
@@ -97,7 +102,10 @@ def tokens_message(who: str, got: list[int], want: list[int]) -> str:
 
 
 def assert_idle(engine) -> None:
-    assert not engine.scheduler.waiting and not engine.scheduler.running, "requests left queued"
+    num_waiting, num_running = len(engine.scheduler.waiting), len(engine.scheduler.running)
+    assert num_waiting == num_running == 0, (
+        f"requests left in the engine: {num_waiting} waiting, {num_running} running"
+    )
     free, total = engine.manager.num_free_blocks, engine.manager.num_blocks
     assert free == total, f"{total - free} KV blocks still held"
     engine.manager.check_invariants()
@@ -112,8 +120,13 @@ def test_task_1_an_accepted_request_is_queued_tracked_and_told_so(
     engine_loop = impl.AsyncEngine(new_llm(tiny_llama_folder).engine)
     stream = RequestStream(7, idle_loop)
     out = engine_loop.apply(Add(stream, [1, 2, 3], greedy(4)))
-    assert out == [Delivery(stream, TokenDelta([], None))], "deliver an empty 'queued' delta"
-    assert list(engine_loop.requests) == [7], "track it under its stream's request_id"
+    assert out == [Delivery(stream, TokenDelta([], None))], (
+        f"apply(Add) of request 7 returned (request_id, item) {described(out)}; expected "
+        "[(7, TokenDelta([], None))]: an accepted request's stream hears an empty 'queued' delta "
+        "at once, and callers drop that first delta"
+    )
+    tracked = list(engine_loop.requests)
+    assert tracked == [7], f"tracked request ids {tracked}: track it under its stream's request_id"
     seq = engine_loop.requests[7].seq
     waiting = list(engine_loop.engine.scheduler.waiting)
     assert seq.prompt_token_ids == [1, 2, 3] and waiting == [seq], (
@@ -129,12 +142,17 @@ def test_task_1_a_rejected_request_gets_its_error_and_disturbs_nobody(
     good, bad = RequestStream(0, idle_loop), RequestStream(1, idle_loop)
     engine_loop.apply(Add(good, [1, 2], greedy(4)))
     out = engine_loop.apply(Add(bad, list(range(48)), greedy(4)))  # 48 tokens: max_model_len
-    assert len(out) == 1 and out[0].stream is bad, out
+    assert len(out) == 1 and out[0].stream is bad, (
+        f"apply(Add) of a 48-token prompt (request 1) returned (request_id, item) "
+        f"{described(out)}; expected one delivery, to request 1"
+    )
     assert isinstance(out[0].item, ValueError) and "max_model_len" in str(out[0].item), (
         f"the rejected stream got {out[0].item!r}: deliver the ValueError add_request raised"
     )
-    assert list(engine_loop.requests) == [0], "a rejected request is not tracked"
-    assert len(engine_loop.engine.scheduler.waiting) == 1, "the good request must stay queued"
+    tracked = list(engine_loop.requests)
+    assert tracked == [0], f"tracked request ids {tracked}, expected [0]: a rejected one is not"
+    num_waiting = len(engine_loop.engine.scheduler.waiting)
+    assert num_waiting == 1, f"{num_waiting} requests waiting, expected 1: the good one, request 0"
 
 
 def test_task_1_an_abort_frees_the_requests_blocks_at_once(impl, tiny_llama_folder, idle_loop):
@@ -154,7 +172,10 @@ def test_task_1_an_abort_frees_the_requests_blocks_at_once(impl, tiny_llama_fold
     assert list(engine.scheduler.running) == [kept] and not engine.scheduler.waiting, (
         "after Abort(3) only request 5 may be in the scheduler: call engine.abort([seq])"
     )
-    assert engine.manager.num_free_blocks == engine.manager.num_blocks - 3, "free its blocks now"
+    num_held = engine.manager.num_blocks - engine.manager.num_free_blocks
+    assert num_held == 3, (
+        f"{num_held} blocks held after Abort(3), expected 3 (request 5's): free its blocks now"
+    )
     engine.manager.check_invariants()
 
 
@@ -175,12 +196,14 @@ def test_task_1_aborting_an_unknown_or_finished_request_does_nothing(
 ):
     engine_loop = impl.AsyncEngine(new_llm(tiny_llama_folder).engine)
     engine_loop.apply(Add(RequestStream(0, idle_loop), [1, 2, 3], greedy(4)))
-    assert engine_loop.apply(Abort(99)) == [], "never accepted, or finished: nothing to do"
+    out = engine_loop.apply(Abort(99))
+    assert out == [], f"Abort(99), of an id never tracked, delivered {described(out)}; expected []"
     assert list(engine_loop.requests) == [0] and len(engine_loop.engine.scheduler.waiting) == 1, (
         "Abort(99), of an id never tracked, must leave request 0 tracked and queued"
     )
     engine_loop.apply(Abort(0))
-    assert engine_loop.apply(Abort(0)) == [], "aborting twice is aborting once"
+    out = engine_loop.apply(Abort(0))
+    assert out == [], f"a second Abort(0) delivered {described(out)}: aborting twice is once"
 
 
 # ---- task 2: fanning tokens out ----
@@ -196,7 +219,7 @@ def test_task_2_each_request_gets_exactly_its_offline_tokens_through_preemption(
         for i, (p, m) in enumerate(zip(PROMPTS, MAX_TOKENS))
     ]
     items = per_stream(run_to_end(engine_loop), streams)
-    assert engine_loop.engine.scheduler.num_preemptions > 0, "the pool was meant to run dry"
+    assert engine_loop.engine.scheduler.num_preemptions > 0, "the pool of 10 was meant to run dry"
     want = offline(tiny_llama_folder, PROMPTS, MAX_TOKENS, **small)
     for i, (got, (want_ids, _)) in enumerate(zip(items, want)):
         ids = [t for delta in got for t in delta.token_ids]
@@ -215,9 +238,17 @@ def test_task_2_the_last_delta_and_only_it_carries_the_finish_reason(
     want = offline(tiny_llama_folder, PROMPTS, MAX_TOKENS)
     for i, (got, (want_ids, want_reason)) in enumerate(zip(items, want)):
         reasons = [delta.finish_reason for delta in got]
-        assert reasons == [None] * (len(got) - 1) + [want_reason], f"request {i}: {reasons}"
-        assert got[-1].token_ids == want_ids[-1:], f"request {i}: the last delta has the last token"
-        assert all(delta.token_ids for delta in got), f"request {i}: a delta with no tokens"
+        assert reasons == [None] * (len(got) - 1) + [want_reason], (
+            f"request {i}: its deltas carry finish reasons {reasons}; expected None on each but "
+            f"the last, and {want_reason!r} on the last"
+        )
+        assert got[-1].token_ids == want_ids[-1:], (
+            f"request {i}: the last delta holds {got[-1].token_ids}, expected the last token "
+            f"{want_ids[-1:]}"
+        )
+        assert all(delta.token_ids for delta in got), (
+            f"request {i}: a delta with no tokens among {[d.token_ids for d in got]}"
+        )
 
 
 def test_task_2_a_finished_request_is_dropped_and_nothing_is_sent_twice(
@@ -230,11 +261,21 @@ def test_task_2_a_finished_request_is_dropped_and_nothing_is_sent_twice(
         engine_loop.engine.step()
         out = engine_loop.fan_out()
         expected = [long] if step > 2 else [short, long]
-        assert [d.stream for d in out] == expected, f"step {step}: one delta per running request"
-        assert all(len(d.item.token_ids) == 1 for d in out), f"step {step}: one token each"
-        assert (0 in engine_loop.requests) == (step < 2), f"step {step}: drop it once finished"
+        assert [d.stream for d in out] == expected, (
+            f"step {step}: fan_out delivered (request_id, item) {described(out)}; expected one "
+            f"delta for each of requests {[s.request_id for s in expected]}"
+        )
+        assert all(len(d.item.token_ids) == 1 for d in out), (
+            f"step {step}: fan_out delivered {described(out)}; expected one token each"
+        )
+        tracked = list(engine_loop.requests)
+        assert (0 in engine_loop.requests) == (step < 2), (
+            f"after step {step}, tracked request ids {tracked}: request 0 (2 tokens) finishes "
+            "at step 2 and is dropped then, not before"
+        )
     assert engine_loop.requests == {}, f"finished requests still tracked: {engine_loop.requests}"
-    assert engine_loop.fan_out() == [], "fan_out after everything finished must deliver nothing"
+    out = engine_loop.fan_out()
+    assert out == [], f"fan_out after everything finished delivered {described(out)}; expected []"
 
 
 def test_task_2_a_waiting_request_gets_no_delivery(impl, tiny_llama_folder, idle_loop):
@@ -243,9 +284,13 @@ def test_task_2_a_waiting_request_gets_no_delivery(impl, tiny_llama_folder, idle
     track(engine_loop, 1, list(range(20, 29)), greedy(3), idle_loop)  # 3 blocks: it must wait
     for step in range(1, 4):
         engine_loop.engine.step()
-        assert len(engine_loop.engine.scheduler.waiting) == 1, "request 1 waits for blocks"
+        num_waiting = len(engine_loop.engine.scheduler.waiting)
+        assert num_waiting == 1, f"step {step}: {num_waiting} waiting; request 1 waits for blocks"
         out = engine_loop.fan_out()
-        assert [d.stream for d in out] == [first], f"step {step}: only the running request"
+        assert [d.stream for d in out] == [first], (
+            f"step {step}: fan_out delivered (request_id, item) {described(out)}; expected one "
+            "delta, to request 0, the only running one (request 1 waits and hears nothing)"
+        )
 
 
 # ---- task 3: one turn of the loop ----
@@ -286,7 +331,11 @@ def test_task_3_commands_come_first_then_one_step_then_the_fan_out(
         f"run_once with three Adds stepped the engine {len(calls)} time(s); expected exactly one "
         "step, after the commands are applied (stepped first, the engine has nothing queued yet)"
     )
-    assert [d.stream for d in out] == [a, bad, b, a, b], "commands' deliveries, then fan_out's"
+    assert [d.stream for d in out] == [a, bad, b, a, b], (
+        f"run_once delivered (request_id, item) {described(out)}; expected requests "
+        "[0, 2, 1, 0, 1]: the three Adds' deliveries in order ('queued', the ValueError, "
+        "'queued'), then fan_out's first token for 0 and for 1"
+    )
     assert (
         isinstance(out[1].item, ValueError) and out[3].item.token_ids and out[4].item.token_ids
     ), (
@@ -295,7 +344,10 @@ def test_task_3_commands_come_first_then_one_step_then_the_fan_out(
     )
     a_seq = engine_loop.requests[0].seq
     out = engine_loop.run_once([Abort(0)])
-    assert a_seq not in calls[-1], "the abort must be applied before the next step"
+    assert a_seq not in calls[-1], (
+        "request 0 was still in the scheduler when run_once([Abort(0)]) stepped the engine: "
+        "apply the abort before the step"
+    )
     got = [(d.stream.request_id, d.item.finish_reason) for d in out]
     assert [(d.stream, d.item.finish_reason) for d in out] == [(a, "abort"), (b, None)], (
         f"the turn with Abort(0) delivered (request, finish_reason) {got}; expected the abort "
@@ -465,7 +517,9 @@ def test_task_5_generate_yields_queued_then_the_offline_tokens(impl, tiny_llama_
         got = asyncio.run(
             asyncio.wait_for(collect(engine_loop.generate(PROMPTS[0], greedy(12))), TIMEOUT)
         )
-    assert got[0] == TokenDelta([], None), "the first delta says: queued"
+    assert got[0] == TokenDelta([], None), (
+        f"generate's first delta is {got[0]}; expected TokenDelta([], None), which says: queued"
+    )
     ids = [t for delta in got for t in delta.token_ids]
     assert ids == want_ids, tokens_message("generate", ids, want_ids)
     reasons = [delta.finish_reason for delta in got]
@@ -533,11 +587,15 @@ def test_task_5_a_cancelled_caller_aborts_its_request(impl, tiny_llama_folder):
 
         received = asyncio.run(asyncio.wait_for(main(), TIMEOUT))
         num_steps = engine_loop.engine.num_steps
-        assert len(received) < 41 and num_steps < 30, (
-            f"the caller's task was cancelled after 3 deltas, yet it received {len(received)} "
-            f"deltas and the engine ran {num_steps} steps (fewer than 30 expected): the request "
-            "ran on towards its 40 tokens. Cancelling raises CancelledError at `await "
-            "stream.get()` in generate: abort the request in its finally"
+        assert len(received) < 41, (
+            f"the caller's task was cancelled after 3 deltas, yet it received all {len(received)} "
+            "(queued and 40 tokens): the cancellation never reached generate"
+        )
+        assert num_steps < 30, (
+            f"the caller's task was cancelled after 3 deltas, yet the engine ran {num_steps} steps "
+            "(fewer than 30 expected): the request ran on towards its 40 tokens. Cancelling "
+            "raises CancelledError at `await stream.get()` in generate: abort the request in its "
+            "finally"
         )
         assert_idle(llm.engine)
 
@@ -578,7 +636,8 @@ def test_task_6_64_callers_a_quarter_hanging_up_get_their_tokens_and_leave_nothi
             expected = want_ids[: len(ids)] if i in quitters else want_ids
             who = f"caller {i}" + (" (it hung up)" if i in quitters else "")
             assert ids == expected, tokens_message(who, ids, expected)
-        assert engine_loop.requests == {}, "every request leaves the loop's table"
+        tracked = list(engine_loop.requests)
+        assert tracked == [], f"requests {tracked} are still tracked: every one leaves the table"
         assert_idle(llm.engine)
     left = [t for t in threading.enumerate() if t.name == "nanoserve-engine-loop"]
     assert not left, f"{len(left)} loop thread(s) still alive after shutdown()"
@@ -607,7 +666,9 @@ def test_task_6_the_openai_client_gets_the_offline_tokens_from_your_loop(impl, t
     streamed = [t for c in chunks for t in c.choices[0].model_extra["token_ids"]]
     assert streamed == want_ids, tokens_message("the streamed completion", streamed, want_ids)
     reason = chunks[-1].choices[0].finish_reason
-    assert reason == want_reason, f"the stream ended with finish_reason {reason!r}"
+    assert reason == want_reason, (
+        f"the stream ended with finish_reason {reason!r}, offline with {want_reason!r}"
+    )
     whole_ids = whole.choices[0].model_extra["token_ids"]
     assert whole_ids == want_ids, tokens_message("the whole completion", whole_ids, want_ids)
     assert_idle(llm.engine)
