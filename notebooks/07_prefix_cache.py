@@ -156,7 +156,7 @@ for snap in snapshots:
 
 # %% tags=["hide-input"]
 COLOURS = {"A": "#0072B2", "B": "#E69F00", "C": "#009E73"}  # Okabe-Ito
-REF_COLOURS = {0: "#f2f2f2", 1: "#cfe3f3", 2: "#f6c48a"}  # free, held once, shared
+REF_COLOURS = {0: "#f2f2f2", 1: "#e6cfe0", 2: "#b0709c"}  # free, held once, shared: no request hue
 plt.rcParams["figure.dpi"] = 100
 
 
