@@ -206,6 +206,21 @@ def test_task_1_aborting_an_unknown_or_finished_request_does_nothing(
     assert out == [], f"a second Abort(0) delivered {described(out)}: aborting twice is once"
 
 
+def test_task_1_an_abort_after_a_request_finished_does_nothing(impl, tiny_llama_folder, idle_loop):
+    engine_loop = impl.AsyncEngine(new_llm(tiny_llama_folder).engine)
+    engine_loop.apply(Add(RequestStream(0, idle_loop), [1, 2, 3], greedy(2)))
+    delivered = []
+    while engine_loop.engine.has_unfinished():
+        delivered += engine_loop.run_once([])
+    reasons = [item.finish_reason for _, item in described(delivered)]
+    assert reasons[-1] == "length", f"request 0 (max_tokens 2) ended with {reasons}"
+    out = engine_loop.apply(Abort(0))
+    assert out == [], (
+        f"Abort(0) after request 0 finished (its last delta, reason 'length', was sent) "
+        f"delivered {described(out)}; expected []: a finished request is not aborted"
+    )
+
+
 # ---- task 2: fanning tokens out ----
 
 
@@ -541,6 +556,31 @@ def test_task_5_a_rejected_request_raises_and_the_loop_serves_on(impl, tiny_llam
         num_tokens = sum(len(delta.token_ids) for delta in got)
         assert num_tokens == 3, f"the request after a rejected one got {num_tokens} tokens of 3"
         assert_idle(engine_loop.engine)
+
+
+def test_task_5_a_failing_step_reaches_the_caller_as_an_engine_error(impl, tiny_llama_folder):
+    from nanoserve.serving.engine_thread import EngineError
+
+    llm = new_llm(tiny_llama_folder)
+
+    def broken_step():
+        raise RuntimeError("the device fell over")
+
+    llm.engine.step = broken_step
+    with Running(impl, llm) as engine_loop:
+
+        async def main():
+            with pytest.raises(EngineError, match="the device fell over"):
+                await collect(engine_loop.generate([1, 2, 3], greedy(3)))
+
+        try:
+            asyncio.run(asyncio.wait_for(main(), TIMEOUT))
+        except AttributeError as err:
+            pytest.fail(
+                f"a failing step reached generate's caller as {err!r}: generate must raise every "
+                "Exception the stream carries (the engine's EngineError too), not only ValueError",
+                pytrace=False,
+            )
 
 
 def test_task_5_closing_the_generator_aborts_the_request_within_one_step(impl, tiny_llama_folder):

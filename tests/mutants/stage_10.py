@@ -133,4 +133,12 @@ MUTANTS = (
         "generate",
         ("raise item", "yield TokenDelta([], 'stop')\nreturn"),
     ),
+    # ---- a blind spot: an engine failure ----
+    mutant(
+        "generate_raises_only_value_errors",
+        "generate re-raises only ValueError items: a failing step's EngineError reaches the "
+        "caller as an AttributeError on its finish_reason",
+        "generate",
+        ("isinstance(item, Exception)", "isinstance(item, ValueError)"),
+    ),
 )
