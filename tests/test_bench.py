@@ -14,9 +14,10 @@ import pytest
 import torch
 
 import nanoserve
+from nanoserve.bench.arguments import add_bench_parser, checked_stages
 from nanoserve.bench.clients import Timing
-from nanoserve.bench.run import add_bench_parser, checked_stages, make_workload, run_bench
-from nanoserve.bench.workload import BenchResult
+from nanoserve.bench.run import run_bench
+from nanoserve.bench.workload import BenchResult, make_workload
 from nanoserve.models.build import checkpoint_state_dict
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.presets import PRESETS, preset_config, random_model

@@ -59,7 +59,7 @@ def test_plot_without_matplotlib_says_what_to_install(monkeypatch, tmp_path):
 def test_the_gpu_workload_on_a_cpu_is_warned_about_and_a_small_one_is_not(capsys):
     import torch
 
-    from nanoserve.bench.run import warn_if_large_on_cpu
+    from nanoserve.bench.arguments import warn_if_large_on_cpu
     from nanoserve.bench.workload import make_workload
 
     warn_if_large_on_cpu(torch.device("cpu"), make_workload(256, 1024, 1024))
@@ -71,13 +71,13 @@ def test_the_gpu_workload_on_a_cpu_is_warned_about_and_a_small_one_is_not(capsys
 
 
 def test_bench_shows_progress_only_on_a_terminal_and_not_when_quiet(monkeypatch):
-    from nanoserve.bench import run
+    from nanoserve.bench import arguments
 
-    monkeypatch.setattr(run.sys.stderr, "isatty", lambda: True)
-    assert run.progress(parse(*TINY_RUN)) is True
-    assert run.progress(parse(*TINY_RUN, "--quiet")) is False
-    monkeypatch.setattr(run.sys.stderr, "isatty", lambda: False)
-    assert run.progress(parse(*TINY_RUN)) is False
+    monkeypatch.setattr(arguments.sys.stderr, "isatty", lambda: True)
+    assert arguments.progress(parse(*TINY_RUN)) is True
+    assert arguments.progress(parse(*TINY_RUN, "--quiet")) is False
+    monkeypatch.setattr(arguments.sys.stderr, "isatty", lambda: False)
+    assert arguments.progress(parse(*TINY_RUN)) is False
 
 
 def test_a_bar_of_finished_requests_goes_to_stderr(capsys):

@@ -124,7 +124,7 @@ def add_limit_args(serve: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
-    from nanoserve.bench.run import add_bench_parser
+    from nanoserve.bench.arguments import add_bench_parser
 
     parser = argparse.ArgumentParser(
         prog="nanoserve",

@@ -3,66 +3,14 @@
 Introduced in stage 00. The README table, the docs, `nanoserve stages`, `nanoserve check`, the
 equivalence chain and the harness self-tests all read this list; nothing else hard-codes a stage
 number or path. What a stage's engine is made of is its recipe (recipes/<slug>.py); what its
-learner writes is `learner_api.py`'s.
+learner writes is `learner_api.py`'s; what a row holds is `stage_record.py`'s `Stage`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from enum import Enum
+from nanoserve.stage_record import Stage, StageStatus
 
-
-class StageStatus(Enum):
-    """Whether a stage's reference code exists yet."""
-
-    IMPLEMENTED = "implemented"
-    PLANNED = "planned"
-
-
-@dataclass(frozen=True, kw_only=True)
-class Stage:
-    """One day-sized step of the curriculum."""
-
-    number: int
-    stem: str  # NN_slug: the folder stages/NN_slug, the page docs/stages/NN_slug.md, the recipe
-    title: str
-    summary: str  # what it adds, one line (the README table)
-    oracle: int | None  # the earlier stage whose tokens it must reproduce; None: another proof
-    proven_equal_to: str  # the proof in words (the README table)
-    reference_modules: tuple[str, ...]  # where its reference code lives, under src/nanoserve/
-    needs_gpu: bool = False
-    status: StageStatus = StageStatus.IMPLEMENTED
-    has_notebook: bool = False
-
-    @property
-    def lesson(self) -> str:
-        """The lesson a learner follows."""
-        return f"stages/{self.stem}/README.md"
-
-    @property
-    def starter(self) -> str:
-        """The learner's file: the stage API with NotImplementedError bodies."""
-        return f"stages/{self.stem}/starter.py"
-
-    @property
-    def test_file(self) -> str:
-        """The graded contract, run with --impl."""
-        return f"stages/{self.stem}/test_{self.stem}.py"
-
-    @property
-    def docs_page(self) -> str:
-        """The stage's page on the docs site."""
-        return f"docs/stages/{self.stem}.md"
-
-    @property
-    def notebook(self) -> str | None:
-        """The jupytext notebook, for stages that draw something."""
-        return f"notebooks/{self.stem}.py" if self.has_notebook else None
-
-    @property
-    def is_implemented(self) -> bool:
-        """True when the reference code exists and `LLM(stage=number)` works."""
-        return self.status is StageStatus.IMPLEMENTED
+__all__ = ["STAGES", "Stage", "StageStatus"]  # the record's names, re-exported with the manifest
 
 
 STAGES: tuple[Stage, ...] = (
