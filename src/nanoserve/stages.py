@@ -204,6 +204,24 @@ STAGES: tuple[Stage, ...] = (
         ),
         has_notebook=True,
     ),
+    Stage(
+        number=12,
+        stem="12_speculative",
+        title="Speculative decoding",
+        summary="n-gram and draft proposers, one-forward verification of k guesses, rejection "
+        "sampling, rollback in the block table",
+        oracle=11,
+        proven_equal_to="stage 11 (greedy); the target's distribution (sampling, by chi-square)",
+        reference_modules=(
+            "engine/ngram_proposer.py",
+            "rejection.py",
+            "engine/speculative_engine.py",
+            "engine/speculative_runner.py",
+            "speculative_sampler.py",
+            "recipes/speculative.py",
+        ),
+        has_notebook=True,
+    ),
 )
 
 
