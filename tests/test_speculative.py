@@ -106,7 +106,7 @@ def test_rollback_with_chunks_a_prefix_cache_and_preemption_leaves_nothing_behin
             if row is not None and state.num_sent[row]:
                 sent = state.block_tables[row, : state.num_sent[row]].tolist()
                 checks.append(sent == seq.block_table[: state.num_sent[row]])
-        for block_id, entry in engine.manager.cached.items():  # no hashed block holds a guess
+        for block_id in engine.manager.cached:  # no hashed block holds a guess
             holders = [s for s in engine.scheduler.running if block_id in s.block_table]
             for seq in holders:
                 i = seq.block_table.index(block_id)
