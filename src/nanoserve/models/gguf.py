@@ -186,14 +186,18 @@ def _tokenizer(path: str | os.PathLike) -> transformers.PreTrainedTokenizerBase:
     return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
 
 
-def read_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
-    """Read a llama GGUF file: HF-style config, float32 HF-named state dict, and tokenizer."""
+def read_gguf(path: str | os.PathLike, progress: bool = False) -> GGUFCheckpoint:
+    """Read a llama GGUF file: HF-style config, float32 HF-named state dict, and tokenizer
+    (with a bar of dequantized tensors on stderr when `progress`)."""
+    from tqdm import tqdm
+
     reader = _open(path)
     meta = {name: field.contents() for name, field in reader.fields.items()}
     config = _config(meta, {t.name for t in reader.tensors}, path)
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     state_dict = {}
-    for tensor in reader.tensors:
+    bar = tqdm(reader.tensors, "dequantizing", unit="tensor", leave=False, disable=not progress)
+    for tensor in bar:
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
         try:
             name = _hf_name(tensor.name)
