@@ -269,6 +269,21 @@ def overlap():
     return fig
 
 
+def speculative():
+    title = "Speculative decoding: guess k tokens, verify them in one forward, keep the agreed ones"
+    fig, ax = canvas(7.5, 2.0, title)
+    ax.text(0.1, 1.35, "proposed", size=8, va="center")
+    cells(ax, 1.0, 1.2, ["the", "cat", "sat", "up"], [COLORS["B"]] * 4, size=0.5)
+    ax.text(0.1, 0.7, "target", size=8, va="center")
+    target = [("the", COLORS["C"]), ("cat", COLORS["C"]), ("sat", COLORS["C"]), ("on", "#ffffff")]
+    cells(ax, 1.0, 0.55, [t for t, _ in target], [c for _, c in target], size=0.5)
+    ax.add_patch(Rectangle((2.5, 1.2), 0.5, 0.5, fill=False, ec=COLORS["hi"], lw=2))
+    note = "3 accepted + the target's own 4th token: 4 tokens for one forward pass;\n"
+    note += "the rejected guess's KV slot is rolled back in the block table"
+    ax.text(3.4, 0.95, note, size=8, va="center")
+    return fig
+
+
 FIGURES: dict[str, Callable] = {
     "00_model": model,
     "01_contiguous_cache": contiguous_cache,
@@ -282,6 +297,7 @@ FIGURES: dict[str, Callable] = {
     "09_tensor_parallel": tensor_parallel,
     "10_serving": serving,
     "11_overlap": overlap,
+    "12_speculative": speculative,  # for the stage-12 page, written apart from this script
 }
 
 
