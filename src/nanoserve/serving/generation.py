@@ -66,11 +66,11 @@ class Generation:
         try:
             await anext(self.deltas)  # the empty "accepted" delta, one loop iteration away
         except ValueError as err:
-            self.metrics.requests["rejected"] += 1
+            self.metrics.requests.labels(finish_reason="rejected").inc()
             raise APIError(400, str(err), param=self.prompt_param) from None
         except EngineError as err:
             raise APIError(503, str(err), type="server_error") from None
-        self.metrics.num_prompt_tokens += len(self.prompt_token_ids)
+        self.metrics.prompt_tokens.inc(len(self.prompt_token_ids))
 
     async def pieces(self) -> AsyncIterator[tuple[str, list[int]]]:
         """(new text, new token ids) per delta until the request is done; sets finish_reason."""
@@ -90,7 +90,7 @@ class Generation:
                     break
         finally:
             await deltas.aclose()  # leaving early aborts the request in the engine
-            self.metrics.requests[self.finish_reason or "abort"] += 1
+            self.metrics.requests.labels(finish_reason=self.finish_reason or "abort").inc()
 
     async def response(self) -> dict:
         """The whole completion, as one response object."""
@@ -148,10 +148,11 @@ class Generation:
             self.metrics.time_to_first_token.observe(now - self.arrival)
         else:  # a delta of k tokens (a reader that fell behind) counts k equal gaps
             gap = (now - self.last_token_time) / len(token_ids)
-            self.metrics.inter_token_latency.observe(gap, times=len(token_ids))
+            for _ in token_ids:
+                self.metrics.inter_token_latency.observe(gap)
         self.last_token_time = now
         self.num_tokens += len(token_ids)
-        self.metrics.num_generation_tokens += len(token_ids)
+        self.metrics.generation_tokens.inc(len(token_ids))
 
 
 async def until_disconnected(receive) -> None:

@@ -26,7 +26,7 @@ from nanoserve.serving.async_engine import AsyncEngine
 from nanoserve.serving.connections import APIKeyGuard, BodyReader, guarded_protocol
 from nanoserve.serving.generation import Generation, response_unless_disconnected
 from nanoserve.serving.limits import ServerLimits
-from nanoserve.serving.metrics import Metrics
+from nanoserve.serving.metrics import CONTENT_TYPE, Metrics
 from nanoserve.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from nanoserve.serving.text import TextStream
 
@@ -141,9 +141,7 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return PlainTextResponse(
-            served.metrics.render(served.loop.stats), media_type="text/plain; version=0.0.4"
-        )
+        return PlainTextResponse(served.metrics.render(served.loop.stats), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> dict:
