@@ -10,6 +10,8 @@ stream_options without stream. Every error names the field as the client wrote i
 from __future__ import annotations
 
 import logging
+import re
+import threading
 
 import pytest
 
@@ -292,3 +294,33 @@ def test_serving_n_is_one_entry_away(url, monkeypatch):
     choices = response.json()["choices"]
     assert [c["index"] for c in choices] == [0, 1, 2, 3]
     assert choices[0]["token_ids"] != choices[1]["token_ids"], "seeds 3 and 4 differ"
+
+
+def counter(url: str, name: str) -> float:
+    """A metric's value from /metrics; 0 for a counter not yet shown."""
+    metrics = httpx.get(f"{url}/metrics", timeout=TIMEOUT).text
+    found = re.search(rf"^nanoserve_{re.escape(name)} (\S+)$", metrics, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_a_batch_whose_client_hangs_up_or_whose_prompt_is_refused_leaves_nothing_running(url):
+    aborts, tokens = 'requests_total{finish_reason="abort"}', "generation_tokens_total"
+    before = {name: counter(url, name) for name in (aborts, tokens)}
+    body = {"model": MODEL, "prompt": [[1, 2], [3, 4], [5, 6]], "max_tokens": 80}
+    body |= {"ignore_eos": True, "stream": True, "temperature": 0}
+    num_chunks = 0
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=TIMEOUT) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            num_chunks += line.startswith("data: {")
+            if num_chunks == 4:
+                break  # leaving the block closes the connection mid-stream
+    refused = post(url, "/v1/completions", {**body, "prompt": [[1, 2], [7] * 100], "stream": False})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt[1]"
+    for _ in range(int(TIMEOUT / 0.01)):
+        if counter(url, "requests_running") == 0 and counter(url, "kv_blocks_used") == 0:
+            break
+        threading.Event().wait(0.01)
+    assert counter(url, "kv_blocks_used") == 0, "a refused batch-mate left its blocks behind"
+    assert counter(url, aborts) - before[aborts] == 3, "every choice of the hung-up batch aborted"
+    assert counter(url, tokens) - before[tokens] < 120, "3 x 80 tokens: the choices ran on"
