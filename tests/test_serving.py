@@ -295,7 +295,7 @@ BAD_COMPLETIONS = [  # (body, status, param)
     ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "seed": -1}, 400, "seed"),
     ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
-    ({"model": MODEL, "prompt": "hi", "stop_token_ids": [-3]}, 400, "stop_token_ids.0"),
+    ({"model": MODEL, "prompt": "hi", "stop_token_ids": [-3]}, 400, "stop_token_ids[0]"),
     ({"model": MODEL, "prompt": "hi", "best_of": 3}, 400, "best_of"),
     ({"model": MODEL, "prompt": ""}, 400, "prompt"),
     ({"model": MODEL, "prompt": TOO_LONG}, 400, "prompt"),
@@ -316,8 +316,8 @@ def test_a_bad_completion_request_is_a_4xx_naming_the_field(served, body, status
 
 BAD_CHATS = [
     ({"model": MODEL, "messages": []}, "messages"),
-    ({"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
-    ({"model": MODEL, "messages": [{"role": "user"}]}, "messages.0.content"),
+    ({"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+    ({"model": MODEL, "messages": [{"role": "user"}]}, "messages[0].content"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x" * 120}]}, "messages"),
 ]
 
