@@ -125,7 +125,7 @@ UNWRITTEN = 4096.0
 
 def call_kernel(kernel, pages: Pages, q, fill: float, args: dict, owned_only: bool, **launch):
     """kernel(q, k_cache, v_cache, *args.values(), out, **launch), `out` a tensor full of `fill`
-    (the engine's positional order); with owned_only, on a copy of the pool whose slots no
+    (the starter's positional order); with owned_only, on a copy of the pool whose slots no
     sequence owns hold 0 instead of NaN. Every torch.empty the kernel's wrapper calls comes back
     full of NaN, and under the interpreter every load and store must address an element of a
     tensor the kernel was given."""
