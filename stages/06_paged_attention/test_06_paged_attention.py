@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.kernel_memory import empty_is_nan, watch_memory
+from nanoserve.kernel_memory import empty_is_poison, watch_memory
 from nanoserve.kernels.attention import attend
 
 pytest.importorskip("triton", reason="stage 06 needs triton (pip install triton)")
@@ -134,7 +134,7 @@ def call_kernel(kernel, pages: Pages, q, fill: float, args: dict, owned_only: bo
         k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
     out = torch.full_like(q, fill)
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, **args, "out": out}
-    with watch_memory() as strays, empty_is_nan():
+    with watch_memory() as strays, empty_is_poison():
         got = kernel(q, k_cache, v_cache, *args.values(), out, **launch)
     if strays:
         names = {t.data_ptr(): n for n, t in tensors.items() if isinstance(t, torch.Tensor)}
