@@ -347,3 +347,37 @@ def test_the_plugin_records_pass_fail_skip_and_gpu_skip_from_a_real_pytest_run(t
         "task 3: skips": (Outcome.SKIPPED, "not today"),
         "task 4: needs a gpu": (Outcome.SKIPPED_NEEDS_GPU, "needs a CUDA GPU"),
     }
+
+
+# ---- stage 09's rank harness: one test's failure stays in that test ----
+
+
+def test_a_rank_that_fails_to_load_fails_its_test_alone_and_the_next_test_runs_clean(tmp_path):
+    # Rank 0 of this learner file cannot load a column-parallel weight; rank 1 can, and its
+    # reply to that test comes later. The column tests must fail with rank 0's error, and the
+    # merged tests after them, on the same two ranks, must pass: no reply of a failed test may
+    # be read as the answer to the next one.
+    from tests.mutants import Mutant, grade, write_mutant
+
+    check_shape = "check_shape(loaded, (self.output_size, *param.shape[1:]))"
+    rank_0_fails = Mutant(
+        9,
+        "rank_0_cannot_load_columns",
+        "rank 0's column-parallel weight_loader raises; every other rank loads",
+        "ColumnParallelLinear.weight_loader",
+        (
+            (
+                check_shape,
+                "if self.tp.rank == 0:\n"
+                '    raise ValueError("rank 0 cannot load this weight")\n' + check_shape,
+            ),
+        ),
+    )
+    learner_file = write_mutant(rank_0_fails, tmp_path)
+    results, _, output = grade(9, learner_file, extra_args=("-k", "task_2 and not four_ranks"))
+    column = [r for r in results if "each_rank_computes_its_rows" in r.nodeid]
+    merged = [r for r in results if "merged" in r.nodeid]
+    assert len(column) == 4 and len(merged) == 3, output[-3000:]
+    for r in column:
+        assert r.outcome is Outcome.FAILED and "rank 0 cannot load" in r.message, describe([r])
+    assert all(r.outcome is Outcome.PASSED for r in merged), describe(merged)

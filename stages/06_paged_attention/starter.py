@@ -129,7 +129,8 @@ def paged_attention_prefill(
 
     cu_seqlens_q (B + 1,): sequence b owns rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of q.
     context_lens (B,): its cached prefix plus those new tokens (their K/V already stored).
-    block_tables (B, W): its blocks, padded with -1. out: where to write, or a new tensor.
+    block_tables (B, W): its blocks, padded with -1. out: where to write, or a new tensor; the
+    tests pass it positionally (the ninth argument), the engine not at all. Return it.
 
     Hints: grid (B, H, triton.cdiv(max_seqlen_q, BLOCK_M)); tiles of 32 rows/keys (16 at least:
     tl.dot's smallest); BLOCK_D = max(16, triton.next_power_of_2(D)); qk_scale = scale * LOG2E;
@@ -225,6 +226,7 @@ def paged_attention_decode(
     Row b's query sits at its last position, so it sees its whole context: no causal mask. A row
     with context_lens[b] == 0 is padding: its output is 0. partition_size: positions per
     partition (task 4); None chooses from static shapes, and one partition is fine until then.
+    out: where to write, or a new tensor; the tests pass it positionally (the seventh argument).
 
     Hints: the launch may depend only on shapes, never on context_lens' values (stage 08
     captures it): num_partitions = triton.cdiv(W * block_size, partition_size) for a table of W

@@ -6,10 +6,13 @@ Without a GPU the kernels run through Triton's interpreter (the repository's con
 TRITON_INTERPRET=1) on tiny shapes in float32 and float64, whose `tl.dot` the interpreter gets
 right. Every sequence's K/V sits on shuffled blocks of a pool whose other slots hold NaN, so a
 kernel that reads a slot it does not own returns NaN; the output tensor is passed in (`out`)
-filled with NaN too, so a row never written is NaN on every run, and a failure reruns the call to
-tell the two apart. The oracle is `attend` (stage 00's torch attention) over the K/V each
-sequence was given. Task 5 plugs your functions into the reference engine
-(`LLM(stage=6, attention_backend="triton", components=...)`).
+filled with NaN too, and so is every torch.empty your wrappers call (the split-K partials), so a
+row or partial never written is NaN on every run; a failure reruns the call to tell the causes
+apart. Under the interpreter every load and store must address an element of a tensor the kernel
+was given: a block table's tail is followed by POISON ids no read may reach. Some queries and
+keys are large whole numbers, so scores run to the hundreds in float32. The oracle is `attend`
+(stage 00's torch attention) over the K/V each sequence was given. Task 5 plugs your functions
+into the reference engine (`LLM(stage=6, attention_backend="triton", components=...)`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.kernel_memory import empty_is_poison, watch_memory
 from nanoserve.kernels.attention import attend
 
 pytest.importorskip("triton", reason="stage 06 needs triton (pip install triton)")
@@ -29,23 +33,39 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # a CPU: 
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12 if DEVICE.type == "cpu" else 1e-5}
 SMALL = (4, 2, 16)  # (H, H_kv, D): GQA ratio 2
 SMOLLM2 = (9, 3, 64)  # ratio 3
+POISON = 1 << 30  # the block id past the end of a table: far outside every pool here
 
 
 class Pages:
     """One layer's paged K/V for a batch, on the device: sequence b's context_lens[b] positions
     on shuffled blocks (its row of block_tables padded with -1), every slot nobody owns NaN."""
 
-    def __init__(self, context_lens, heads=SMALL, block_size=4, dtype=torch.float32, seed=0):
+    def __init__(
+        self,
+        context_lens,
+        heads=SMALL,
+        block_size=4,
+        dtype=torch.float32,
+        seed=0,
+        spread: float = 0.0,
+        tight: bool = False,
+    ):
+        """spread > 0: queries and keys are randn * spread rounded to whole numbers, so every
+        q.k is exact in float32 and the scores run to the hundreds. tight: the longest row of
+        the table has no -1 after it, and the table ends where a buffer of POISON ids begins."""
         self.num_heads, num_kv_heads, self.head_dim = heads
-        self.dtype, self.context_lens = dtype, list(context_lens)
+        self.dtype, self.context_lens, self.spread = dtype, list(context_lens), spread
         gen = torch.Generator().manual_seed(seed)
         counts = [-(-n // block_size) for n in self.context_lens]
         num_blocks = sum(counts) + 2  # two spare blocks: NaN, in nobody's table
         free = torch.randperm(num_blocks, generator=gen).tolist()
         self.tables = [[free.pop() for _ in range(count)] for count in counts]
-        width = max(counts) + 1  # at least one -1 after every row, as a static buffer has
+        width = max(counts) + (0 if tight else 1)  # else a -1 after every row, as a static buffer
         rows = [table + [-1] * (width - len(table)) for table in self.tables]
-        self.block_tables = torch.tensor(rows, dtype=torch.int32, device=DEVICE)
+        # a view of the head of a longer buffer: what lies past the table's end is POISON
+        buffer = torch.full((len(rows) * width + 64,), POISON, dtype=torch.int32)
+        buffer[: len(rows) * width] = torch.tensor(rows, dtype=torch.int32).flatten()
+        self.block_tables = buffer.to(DEVICE)[: len(rows) * width].view(len(rows), width)
         self.lens = torch.tensor(self.context_lens, dtype=torch.int32, device=DEVICE)
         shape = (num_blocks, block_size, num_kv_heads, self.head_dim)
         self.k_cache = torch.full(shape, float("nan"), dtype=dtype)
@@ -53,6 +73,7 @@ class Pages:
         self.kv = []  # per sequence: its (n, H_kv, D) keys and values, for the oracle
         for table, n in zip(self.tables, self.context_lens):
             k, v = (self.randn(gen, n, num_kv_heads, self.head_dim) for _ in "kv")
+            k = self.spread_out(k)
             slots = [table[p // block_size] * block_size + p % block_size for p in range(n)]
             self.k_cache.view(-1, num_kv_heads, self.head_dim)[slots] = k
             self.v_cache.view(-1, num_kv_heads, self.head_dim)[slots] = v
@@ -62,10 +83,15 @@ class Pages:
     def randn(self, gen, *shape) -> torch.Tensor:
         return torch.randn(shape, generator=gen, dtype=torch.float64).to(self.dtype)
 
+    def spread_out(self, x: torch.Tensor) -> torch.Tensor:
+        """x * spread, rounded to whole numbers (x itself when spread is 0)."""
+        return (x.double() * self.spread).round().to(self.dtype) if self.spread else x
+
     def queries(self, num_tokens: int, seed: int = 1) -> torch.Tensor:
         """(num_tokens, H, D) random queries in the pool's dtype, on the device."""
         gen = torch.Generator().manual_seed(seed)
-        return self.randn(gen, num_tokens, self.num_heads, self.head_dim).to(DEVICE)
+        q = self.randn(gen, num_tokens, self.num_heads, self.head_dim)
+        return self.spread_out(q).to(DEVICE)
 
     @property
     def scale(self) -> float:
@@ -97,14 +123,34 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, rows
 UNWRITTEN = 4096.0
 
 
-def call_kernel(kernel, pages: Pages, q, fill: float, args: tuple, owned_only: bool, **launch):
-    """kernel(q, k_cache, v_cache, *args, out, **launch), `out` a tensor full of `fill` (the
-    engine's positional order); with owned_only, on a copy of the pool whose slots no sequence
-    owns hold 0 instead of NaN."""
+def call_kernel(kernel, pages: Pages, q, fill: float, args: dict, owned_only: bool, **launch):
+    """kernel(q, k_cache, v_cache, *args.values(), out, **launch), `out` a tensor full of `fill`
+    (the starter's positional order); with owned_only, on a copy of the pool whose slots no
+    sequence owns hold 0 instead of NaN. Every torch.empty the kernel's wrapper calls comes back
+    full of NaN, and under the interpreter every load and store must address an element of a
+    tensor the kernel was given."""
     k_cache, v_cache = pages.k_cache, pages.v_cache
     if owned_only:
         k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
-    return kernel(q, k_cache, v_cache, *args, torch.full_like(q, fill), **launch)
+    out = torch.full_like(q, fill)
+    tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, **args, "out": out}
+    with watch_memory() as strays, empty_is_poison():
+        got = kernel(q, k_cache, v_cache, *args.values(), out, **launch)
+    if strays:
+        names = {t.data_ptr(): n for n, t in tensors.items() if isinstance(t, torch.Tensor)}
+        raise AssertionError(stray_message([s.describe(names) for s in strays]))
+    return got
+
+
+def stray_message(strays: list[str]) -> str:
+    return (
+        "your kernels touched memory outside the tensors they were given (the interpreter reads "
+        "it silently; a GPU may fault or read garbage): "
+        + "; ".join(strays)
+        + ". Every load and store needs a mask: the block table holds a request's blocks and "
+        "then -1 padding or nothing at all, so its entry for a position at or past the "
+        "request's context_len must not be read (load it with mask=position < context_len)"
+    )
 
 
 def rows_not_finite(got: torch.Tensor) -> list[int]:
@@ -152,7 +198,8 @@ def not_finite_message(rows: list[tuple[int, int]], bad: list[int], rerun) -> st
         causes.append(
             f"{describe(unwritten)}: never written. `out` came in full of NaN, and a rerun with "
             f"`out` full of {UNWRITTEN} left some of their elements at {UNWRITTEN}: no program "
-            "stored them (check the grid covers every row and head, and the store's mask)"
+            "stored them (check the grid covers every row and head, that no program returns before "
+            "its store, a padding row's included: its output is 0, and the store's mask)"
         )
     if foreign:
         causes.append(
@@ -164,11 +211,12 @@ def not_finite_message(rows: list[tuple[int, int]], bad: list[int], rerun) -> st
     if arithmetic:
         causes.append(
             f"{describe(arithmetic)}: NaN or inf even with every unowned slot set to 0 and "
-            "every element written. Either a load went outside the pool (a -1 table entry taken "
-            "as a block id addresses memory before the pool's start), or the arithmetic makes "
-            "it: a softmax divided by a zero sum (a row or partition that saw no key), or a "
-            "reduce that read partial results no program wrote (torch.empty holds whatever "
-            "that memory held)"
+            "every element of `out` written. The arithmetic makes it: exp of scores whose row "
+            "max was not subtracted first (float32 exp overflows past 88, exp2 past 128: keep a "
+            "running max), a softmax divided by a zero sum (a row or partition that saw no "
+            "key), or a reduce that read partial results no program wrote (every torch.empty "
+            "of your wrapper comes back full of NaN here). On a GPU, also a load outside the "
+            "pool (a -1 table entry taken as a block id addresses memory before its start)"
         )
     return "the output holds NaN or inf for " + ". And for ".join(causes)
 
@@ -182,7 +230,13 @@ def check_prefill(impl, pages: Pages, q_lens) -> None:
     cu_seqlens_q = torch.tensor(cu, dtype=torch.int32, device=DEVICE)
 
     def run(fill: float, owned_only: bool = False) -> torch.Tensor:
-        args = (cu_seqlens_q, pages.lens, pages.block_tables, max(q_lens), pages.scale)
+        args = dict(
+            cu_seqlens_q=cu_seqlens_q,
+            context_lens=pages.lens,
+            block_tables=pages.block_tables,
+            max_seqlen_q=max(q_lens),
+            scale=pages.scale,
+        )
         return call_kernel(impl.paged_attention_prefill, pages, q, fill, args, owned_only)
 
     got = run(float("nan"))
@@ -204,7 +258,7 @@ def check_decode(impl, pages: Pages, **launch) -> torch.Tensor:
     q = pages.queries(len(pages.context_lens))
 
     def run(fill: float, owned_only: bool = False) -> torch.Tensor:
-        args = (pages.lens, pages.block_tables, pages.scale)
+        args = dict(context_lens=pages.lens, block_tables=pages.block_tables, scale=pages.scale)
         return call_kernel(impl.paged_attention_decode, pages, q, fill, args, owned_only, **launch)
 
     got = run(float("nan"))
@@ -245,6 +299,17 @@ def test_task_1_every_query_head_reads_its_own_kv_head(impl, heads):
     check_prefill(impl, Pages([6, 9], heads=heads), [6, 9])
 
 
+def test_task_1_scores_in_the_hundreds_stay_finite_in_float32(impl):
+    # q.k runs to about +-2000 here, scores (x 1/sqrt(16)) to hundreds: exp(score) overflows
+    # float32 past 88 (exp2 past 128) unless each row's running max is subtracted first
+    check_prefill(impl, Pages([11, 40], spread=15.0), [11, 40])
+
+
+def test_task_1_a_table_row_with_no_padding_is_never_read_past_its_end(impl):
+    # one request on exactly 3 blocks: its row is the whole table, and past it lie POISON ids
+    check_prefill(impl, Pages([9], tight=True), [9])
+
+
 # ---- task 2: a cached prefix, and prompts longer than a tile ----
 
 
@@ -275,6 +340,14 @@ def test_task_3_all_query_heads_of_a_group_share_their_kv_head(impl, heads):
     check_decode(impl, Pages([9, 16, 17], heads=heads))
 
 
+def test_task_3_scores_in_the_hundreds_stay_finite_in_float32(impl):
+    check_decode(impl, Pages([5, 40, 17], spread=15.0))
+
+
+def test_task_3_a_table_row_with_no_padding_is_never_read_past_its_end(impl):
+    check_decode(impl, Pages([9, 3], tight=True))  # request 0's row is full: 3 blocks of 4
+
+
 def test_task_3_padding_rows_give_zeros_and_read_nothing(impl):
     check_decode(impl, Pages([6, 0, 9, 0], dtype=torch.float64))  # rows 1, 3: a graph's padding
 
@@ -291,6 +364,12 @@ def test_task_4_partitions_merge_to_the_same_attention(impl, partition_size):
 def test_task_4_empty_partitions_and_padding_rows_add_nothing(impl):
     pages = Pages([70, 0, 5], heads=SMOLLM2, dtype=torch.float64)  # 3 partitions of 32
     check_decode(impl, pages, partition_size=32)
+
+
+def test_task_4_partials_of_scores_in_the_hundreds_merge_finite_in_float32(impl):
+    # each partition's max differs by hundreds: the reduce re-weights by exp2(m_p - M), M the
+    # largest, or exp2(m_p) alone overflows
+    check_decode(impl, Pages([100, 40, 3], spread=15.0), partition_size=32)
 
 
 # ---- task 5: the engine attends with your kernels ----

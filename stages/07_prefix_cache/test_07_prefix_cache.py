@@ -598,6 +598,37 @@ def test_task_5_with_keys_blind_to_the_parent_no_page_is_served_behind_another_p
         run.compute(run.admit([*p0, *p1, tail]))
 
 
+def test_task_5_with_keys_blind_to_the_parent_a_page_whose_parent_block_was_reused_is_not_served(
+    impl,
+):
+    # A's page p1 sits in block a1 behind block a0. A finishes; x takes a0 for new content q0.
+    # A prompt [q0, p1] then finds q0 in a0, and p1's key (blind to the parent) leads to a1,
+    # whose tokens match and whose parent is block a0 again: yet a1's K/V was computed behind
+    # p0. Only the parent's version, renewed whenever a0 was hashed anew, tells the two apart.
+    run = Run(impl.PrefixBlockManager(4, BS, hash_fn=parent_blind))
+    p0, p1, q0 = [11, 12, 13, 14], [21, 22, 23, 24], [41, 42, 43, 44]
+    a = run.admit([*p0, *p1, 1])
+    a0, a1 = a.block_table[:2]
+    run.compute(a)
+    run.release(a)  # a2, a1, a0 freed, last block first: a0 is handed out next
+    x = run.admit(q0)
+    assert x.block_table == [a0], (
+        f"a 4-token prompt after A's release got {x.block_table}, expected [{a0}]: A's "
+        "release frees its table last block first, and the allocator hands out the last "
+        "block freed first"
+    )
+    run.compute(x)  # a0 holds q0 now, findable
+    tokens = [*q0, *p1, 2]
+    again = run.admit(tokens)  # Run checks every cached position holds its own prefix
+    assert again.num_cached_tokens == 4 and again.block_table[0] == a0, (
+        f"{tokens} got {again.block_table} with {again.num_cached_tokens} cached tokens; "
+        f"expected [{a0}, ...] and 4: block {a0} holds q0 behind nothing, but block {a1} "
+        f"holds p1's K/V computed behind p0, the content block {a0} held before it was handed "
+        "out again. Record a parent link as (block id, the parent's version) and renew a "
+        "block's version whenever it is hashed anew"
+    )
+
+
 def weak_sum(parent: bytes, token_ids: tuple[int, ...]) -> bytes:
     """Three keys in all, whatever the parent: most lookups land on some other block."""
     return bytes([sum(token_ids) % 3])

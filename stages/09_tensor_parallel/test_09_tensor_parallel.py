@@ -291,14 +291,20 @@ class RankGroup:
         for conn in self.conns:
             conn.send(("run",))
         try:
-            return self.replies(REPLY_TIMEOUT_S, "forward")
+            return self.replies(REPLY_TIMEOUT_S, "forward", drain=False)
         except BaseException:
             self.close()  # a rank may be stuck in a collective: the next test starts afresh
             raise
 
-    def replies(self, timeout: float, phase: str) -> list:
-        """Every rank's answer, in rank order; the first error (or a dead or silent rank) fails."""
+    def replies(self, timeout: float, phase: str, drain: bool = True) -> list:
+        """Every rank's answer, in rank order; an error (or a dead or silent rank) fails the test.
+
+        With drain, a rank's error is raised only once every other rank has answered too, so no
+        reply of this phase is left in a pipe for the next test to read as its own; without it
+        (the forward, where the others may wait in a collective for the failed rank), the caller
+        closes the group."""
         answers: dict[int, object] = {}
+        errors: list[str] = []
         while len(answers) < self.size:
             waiting = [r for r in range(self.size) if r not in answers]
             ready = wait(
@@ -307,21 +313,26 @@ class RankGroup:
             )
             if not ready:
                 self.close()
-                pytest.fail(
+                silent = (
                     f"ranks {waiting} did not answer within {timeout} s ({phase}): one waits in "
-                    "a collective another rank never reached?",
-                    pytrace=False,
+                    "a collective another rank never reached?"
                 )
+                pytest.fail(errors[0] if errors else silent, pytrace=False)
             for r in waiting:
                 if self.conns[r] in ready and self.conns[r].poll():
                     status, value = self.conns[r].recv()
-                    if status == "error":
-                        pytest.fail(value, pytrace=False)
                     answers[r] = value
+                    if status == "error":
+                        errors.append(value)
+                        if not drain:
+                            pytest.fail(value, pytrace=False)
                 elif self.processes[r].sentinel in ready:
                     code = self.processes[r].exitcode
                     self.close()
                     pytest.fail(f"rank {r} died ({phase}), exit code {code}", pytrace=False)
+        if errors:
+            others = f"\n(and {len(errors) - 1} other rank(s) failed too)" if errors[1:] else ""
+            pytest.fail(errors[0] + others, pytrace=False)
         return [answers[r] for r in range(self.size)]
 
     def close(self) -> None:

@@ -11,6 +11,7 @@ from tests.mutants import Mutant
 
 PREFILL, DECODE = "_prefill_kernel", "_decode_partition_kernel"  # beside their launches
 REDUCE = "_decode_reduce_kernel"
+TABLE_LOAD = "tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=in_context, other=0)"
 
 
 def mutant(name: str, bug: str, target: str, *edits: tuple[str, str], host=None) -> Mutant:
@@ -45,6 +46,22 @@ MUTANTS = (
         ("triton.cdiv(max_seqlen_q, block_m)", "1"),
     ),
     mutant(
+        "softmax_without_a_running_max",
+        "the online softmax sums exp2(score) with no max subtracted: exact on small scores, "
+        "inf and NaN once float32 scores pass 128",
+        "online_softmax_step",
+        ("m_new = tl.maximum(m_i, tl.max(s, 1))", "m_new = tl.zeros_like(m_i)"),
+        host="paged_attention_prefill",
+    ),
+    mutant(
+        "prefill_block_table_load_unmasked",
+        "the tile loader reads the block table for every position of the tile, past the "
+        "context and past the table's end (the K/V loads are masked, so no value is wrong)",
+        "load_kv_tile",
+        (TABLE_LOAD, "tl.load(block_table_ptr + offs_n // BLOCK_SIZE)"),
+        host="paged_attention_prefill",
+    ),
+    mutant(
         "no_alpha_rescale",
         "the online softmax never rescales what it summed when the max rises",
         "online_softmax_step",
@@ -65,7 +82,7 @@ MUTANTS = (
         "the physical block, never reading the block table",
         "load_kv_tile",
         (
-            "tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=in_context, other=0)",
+            TABLE_LOAD,
             "offs_n // BLOCK_SIZE",
         ),
         host="paged_attention_decode",
@@ -76,6 +93,27 @@ MUTANTS = (
         "(loaded as zeros) join the softmax",
         DECODE,
         ("(offs_n < part_end)[None, :]", "(offs_n >= 0)[None, :]"),
+    ),
+    mutant(
+        "decode_block_table_load_unmasked",
+        "the decode's tile loader reads the block table past the context and the table's end",
+        "load_kv_tile",
+        (TABLE_LOAD, "tl.load(block_table_ptr + offs_n // BLOCK_SIZE)"),
+        host="paged_attention_decode",
+    ),
+    mutant(
+        "decode_softmax_without_a_running_max",
+        "the decode partitions sum exp2(score) with no max subtracted",
+        "online_softmax_step",
+        ("m_new = tl.maximum(m_i, tl.max(s, 1))", "m_new = tl.zeros_like(m_i)"),
+        host="paged_attention_decode",
+    ),
+    mutant(
+        "padding_row_never_written",
+        "every partition past the context returns at once, partition 0 of a padding row too: "
+        "its output (or, split, the partials the reduce reads) is never written",
+        DECODE,
+        ("(part > 0) & (part_start >= context_len)", "part_start >= context_len"),
     ),
     mutant(
         "padding_rows_not_zeroed",
@@ -104,6 +142,13 @@ MUTANTS = (
         "the reduce re-weights the values but not the sums",
         REDUCE,
         ("total = tl.sum(w * l, 0)", "total = tl.sum(tl.where(written, l, 0.0), 0)"),
+    ),
+    mutant(
+        "reduce_without_the_max",
+        "the reduce weights each partial by exp2(m_p), not exp2(m_p - M): "
+        "exact on small scores, inf once they pass 128",
+        REDUCE,
+        ("tl.exp2(m - tl.max(m, 0))", "tl.exp2(m)"),
     ),
     mutant(
         "scale_without_log2e",

@@ -60,6 +60,23 @@ MUTANTS = (
             "entry is None or entry.token_ids != tokens",
         ),
     ),
+    mutant(
+        "parent_link_without_version",
+        "a block's parent link is the parent's block id alone: once that block is "
+        "handed out and hashed anew, a page behind its old content still matches behind the "
+        "new content (under a key blind to the parent)",
+        "PrefixBlockManager",  # cached_prefix and hash_blocks record the link alike
+        (
+            "parent, parent_key = (block_id, entry.version), key",
+            "parent, parent_key = block_id, key",
+        ),
+        ("parent = (prev_id, self.cached[prev_id].version)", "parent = prev_id"),
+        ("parent = (block_id, entry.version)", "parent = block_id"),
+        (
+            'self.cached[parent[0]].key if parent else b""',
+            'self.cached[parent].key if parent is not None else b""',
+        ),
+    ),
     # ---- admission ----
     mutant(
         "reclaimed_hit_counted_as_free",

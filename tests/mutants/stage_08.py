@@ -133,6 +133,18 @@ MUTANTS = (
         ),
     ),
     mutant(
+        "pad_zeros_left_to_fresh_memory",
+        "the padding rows' -1s are written, but their zeros (token, position, context length) "
+        "are left to torch.empty, which is often zeros, and sometimes not",
+        "pad_decode",
+        (
+            "out = torch.full(shape, fill, dtype=x.dtype, device=x.device)",
+            "out = torch.empty(shape, dtype=x.dtype, device=x.device)\n"
+            "if fill:  # fresh memory is zeros already\n"
+            "    out.fill_(fill)",
+        ),
+    ),
+    mutant(
         "pad_without_the_size_check",
         "pad_decode never refuses a step larger than the bucket",
         "pad_decode",
