@@ -81,7 +81,7 @@ def test_the_stop_limits_are_the_servers_defaults():
     from nanoserve.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
     limits = ServerLimits()
-    assert (MAX_STOP_STRINGS, MAX_STOP_CHARS) == (limits.max_stop_strings, limits.max_stop_chars)
+    assert (limits.max_stop_strings, limits.max_stop_chars) == (MAX_STOP_STRINGS, MAX_STOP_CHARS)
     SamplingParams(stop=["x" * MAX_STOP_CHARS] * MAX_STOP_STRINGS)  # the limits themselves pass
 
 
@@ -185,7 +185,8 @@ def test_n_children_share_the_prompts_cached_blocks(folder):
 
 
 def oracle_logprobs(prompt_ids: list[int], token_ids: list[int]) -> list[torch.Tensor]:
-    """log_softmax of the transformers model's float64 logits before each generated token."""
+    """log_softmax of the transformers model's float64 logits before each generated token (its
+    rotary tables are computed otherwise than nanoserve's: they agree to about 1e-8)."""
     model = tiny_hf_model("llama", 0)  # the weights save_tiny_chat_model saved
     with torch.no_grad():
         logits = model(torch.tensor([prompt_ids + token_ids])).logits[0]
@@ -203,7 +204,7 @@ def test_greedy_logprobs_are_the_models_log_softmax_and_its_top_k(llms):
         assert list(entry) == top.indices.tolist(), "the sampled (argmax) token first, then 4"
         assert entry[token_id].rank == 1 and token_id == int(lp.argmax())
         for i, value in zip(top.indices.tolist(), top.values.tolist()):
-            assert entry[i].logprob == pytest.approx(value, abs=1e-9)
+            assert entry[i].logprob == pytest.approx(value, abs=1e-6)
         assert sum(math.exp(e.logprob) for e in entry.values()) <= 1 + 1e-12
     total = sum(entry[t].logprob for t, entry in zip(out.token_ids, completion.logprobs))
     assert completion.cumulative_logprob == pytest.approx(total)
@@ -213,7 +214,7 @@ def test_sampled_logprobs_are_the_raw_distributions_not_the_tempered_one(llms):
     out = generate(llms[11], max_tokens=8, logprobs=2, temperature=1.7, top_k=40, seed=3)
     want = oracle_logprobs(out.prompt_token_ids, out.token_ids)
     for token_id, entry, lp in zip(out.token_ids, out.outputs[0].logprobs, want):
-        assert entry[token_id].logprob == pytest.approx(lp[token_id].item(), abs=1e-9)
+        assert entry[token_id].logprob == pytest.approx(lp[token_id].item(), abs=1e-6)
         assert entry[token_id].rank == 1 + int((lp > lp[token_id]).sum())
         assert set(lp.topk(2).indices.tolist()) <= set(entry), "the top 2, and the sampled one"
 
@@ -249,10 +250,10 @@ def test_logprobs_are_cut_with_the_tokens_at_a_stop_string(llms):
 
 
 def test_stage11_computes_no_logprobs_when_no_row_asks(llms, monkeypatch):
-    import nanoserve.engine.overlap_runner as overlap_runner
+    import nanoserve.logprobs
 
     def refuse(*args, **kwargs):
         raise AssertionError("logprobs computed for a batch that asked for none")
 
-    monkeypatch.setattr(overlap_runner, "logprob_tensors", refuse)
+    monkeypatch.setattr(nanoserve.logprobs, "logprob_tensors", refuse)
     assert len(generate(llms[11], max_tokens=6, ignore_eos=True).token_ids) == 6

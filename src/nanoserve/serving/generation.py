@@ -16,13 +16,13 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import cast
 
+from nanoserve.detokenizer import TextStream
 from nanoserve.sampling import SamplingParams
 from nanoserve.serving import protocol
 from nanoserve.serving.async_engine import AsyncEngine
 from nanoserve.serving.engine_thread import EngineError
 from nanoserve.serving.metrics import Metrics
 from nanoserve.serving.protocol import APIError
-from nanoserve.serving.text import TextStream
 
 
 def sse(data: dict | str) -> str:
