@@ -73,16 +73,20 @@ class RequestOutput:
 
 
 class Completion:
-    """One child sequence, watched for stop strings as its tokens arrive."""
+    """One child sequence; its text followed token by token when it has stop strings or is
+    streamed (otherwise it is decoded once, at the end)."""
 
-    def __init__(self, seq: Sequence, index: int, tokenizer):
+    def __init__(self, seq: Sequence, index: int, tokenizer, streamed: bool = False):
         self.seq, self.index, self.tokenizer = seq, index, tokenizer
         params = seq.params
         self.stream = TextStream(tokenizer, params.stop, params.include_stop_str_in_output)
+        self.is_watched = streamed or bool(params.stop)
         self.num_seen = 0  # completion tokens pushed into the stream
 
     def observe(self) -> str:
         """Push the tokens that arrived since the last call; the text they make safe to show."""
+        if not self.is_watched:
+            return ""
         start = self.seq.num_prompt_tokens + self.num_seen
         new = self.seq.token_ids[start:]
         self.num_seen += len(new)
@@ -130,13 +134,18 @@ def _no_text(token_ids: list[int]) -> str:
 class RequestRun:
     """One prompt's n completions in the engine: child 0 at once, the others a step later."""
 
-    def __init__(self, engine, prompt: str | None, prompt_ids: list[int], params, tokenizer):
-        self.engine, self.prompt, self.prompt_ids, self.tokenizer = (
-            engine,
-            prompt,
-            prompt_ids,
-            tokenizer,
-        )
+    def __init__(
+        self,
+        engine,
+        prompt: str | None,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        tokenizer,
+        streamed: bool = False,
+    ):
+        self.engine, self.prompt, self.prompt_ids = engine, prompt, prompt_ids
+        self.tokenizer, self.streamed = tokenizer, streamed
+        self.is_watched = streamed or bool(params.stop)  # else a step leaves nothing to do
         self.waiting: list[SamplingParams] = child_params(params)
         self.completions: list[Completion] = []
         self._add(self.waiting.pop(0))
@@ -154,6 +163,8 @@ class RequestRun:
     def advance(self) -> list[str]:
         """After a step: each child's new text; stop strings abort their child; the other
         children are queued once child 0's prompt is computed (it has a token, or finished)."""
+        if not self.is_watched and not self.waiting:
+            return []
         pieces = [c.observe() for c in self.completions]
         stopped = [c.seq for c in self.completions if c.is_stopped and not c.seq.is_finished]
         self.engine.abort(stopped)
@@ -170,4 +181,5 @@ class RequestRun:
 
     def _add(self, params: SamplingParams) -> None:
         seq = self.engine.add_request(self.prompt_ids, params)
-        self.completions.append(Completion(seq, len(self.completions), self.tokenizer))
+        index = len(self.completions)
+        self.completions.append(Completion(seq, index, self.tokenizer, self.streamed))

@@ -103,12 +103,14 @@ class LLM:
                 runs.append(RequestRun(self.engine, text, ids, p, self.tokenizer))
             bar = tqdm(total=len(runs), desc="generate", disable=not use_tqdm or len(runs) < 2)
             with bar:
-                while not all(run.is_finished for run in runs):
+                active = runs
+                while active:
                     self.engine.step()
-                    num_done = bar.n
-                    for run in runs:
+                    for run in active:  # stop strings, and the children queued a step later
                         run.advance()
-                    bar.update(sum(run.is_finished for run in runs) - num_done)
+                    unfinished = [run for run in active if not run.is_finished]
+                    bar.update(len(active) - len(unfinished))
+                    active = unfinished
         finally:
             self.engine.abort([seq for run in runs for seq in run.seqs])
         return [run.output() for run in runs]
@@ -137,7 +139,7 @@ class LLM:
                 f"SamplingParams.n = {params.n}: stream yields one completion; use generate"
             )
         self._check_request(ids, params)
-        run = RequestRun(self.engine, text, ids, params, self.tokenizer)
+        run = RequestRun(self.engine, text, ids, params, self.tokenizer, streamed=True)
         (completion,) = run.completions
         try:  # closing the generator early (or an interrupt) aborts the request
             while not run.is_finished:
