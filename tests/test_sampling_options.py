@@ -257,3 +257,34 @@ def test_stage11_computes_no_logprobs_when_no_row_asks(llms, monkeypatch):
 
     monkeypatch.setattr(nanoserve.logprobs, "logprob_tensors", refuse)
     assert len(generate(llms[11], max_tokens=6, ignore_eos=True).token_ids) == 6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_stage11_on_cuda_brings_logprobs_back_with_its_tokens(folder, llms, dtype):
+    cuda = LLM(folder, stage=11, **{**ENGINE, "device": "cuda", "dtype": dtype})
+    prompts = ["Hi", "Hello there, a longer one", "abc"]
+    params = SamplingParams(max_tokens=12, logprobs=4, ignore_eos=True)
+    want = llms[4].generate(prompts, params, use_tqdm=False)
+    got = cuda.generate(prompts, params, use_tqdm=False)
+    tolerance = 1e-3 if dtype == "float32" else 0.1
+    for w, g in zip(want, got):
+        assert len(g.outputs[0].logprobs) == len(g.token_ids) == 12
+        for i, (a, b) in enumerate(zip(w.token_ids, g.token_ids)):
+            entry = g.outputs[0].logprobs[i]
+            values = [x.logprob for x in entry.values()]
+            assert values == sorted(values, reverse=True) and values[0] <= 0
+            assert entry[b].rank == 1, "greedy: the sampled token is the most likely"
+            if a != b:  # bf16 may diverge: the rest compares other prefixes
+                break
+            assert entry[b].logprob == pytest.approx(
+                w.outputs[0].logprobs[i][a].logprob, abs=tolerance
+            )
+    seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=5, logprobs=1, n=2)
+    (twice,) = cuda.generate(["Hi"], seeded, use_tqdm=False)
+    assert [c.token_ids for c in twice.outputs] == [
+        c.token_ids for c in cuda.generate(["Hi"], seeded, use_tqdm=False)[0].outputs
+    ]
+    assert all(len(c.logprobs) == 8 for c in twice.outputs)
+    plain = cuda.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert [len(o.token_ids) for o in plain] == [6, 6, 6] and plain[0].logprobs is None
