@@ -13,6 +13,8 @@ import numbers
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
+SPECULATIVE_METHODS = ("ngram", "draft")  # stage 12's proposers
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -35,6 +37,13 @@ class EngineConfig:
     enable_prefix_caching: bool | None = None  # stage 07+: share cached prefix blocks, as vLLM's
     # option does. None: the stage's own choice (on from 07). No recipe reads it: `LLM` turns
     # False into stage 04's BlockManager in place of the stage's PrefixBlockManager (llm.py)
+    speculative_method: str | None = None  # stage 12: "ngram" (prompt lookup) or "draft" (the
+    # target's first layers as its own draft); None: the stage's choice (ngram from stage 12)
+    num_speculative_tokens: int = 4  # stage 12: tokens proposed per sequence and step, at most
+    prompt_lookup_max: int = 4  # stage 12, ngram: the longest suffix looked up in the sequence
+    prompt_lookup_min: int = 1  # stage 12, ngram: the shortest suffix that may propose
+    draft_num_layers: int | None = None  # stage 12, draft: the target's layers the draft runs
+    # (default: half of them, at least one)
 
     def __post_init__(self):
         for name in (
@@ -45,8 +54,9 @@ class EngineConfig:
             "tensor_parallel_size",
         ):
             self._require_count(name, optional=False)
-        for name in ("num_slabs", "num_kv_blocks", "kv_cache_bytes"):
+        for name in ("num_slabs", "num_kv_blocks", "kv_cache_bytes", "draft_num_layers"):
             self._require_count(name, optional=True)
+        self._check_speculation()
         fraction = self.gpu_memory_utilization
         _require(
             is_real(fraction) and 0 < fraction <= 1,
@@ -76,6 +86,23 @@ class EngineConfig:
             self.max_num_batched_tokens,
             f">= max_model_len ({self.max_model_len}), so any admitted prompt fits one batch "
             "(or enable_chunked_prefill, which prefills a long prompt over several steps)",
+        )
+
+    def _check_speculation(self) -> None:
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            self._require_count(name, optional=False)
+        method = self.speculative_method
+        _require(
+            method is None or method in SPECULATIVE_METHODS,
+            "speculative_method",
+            method,
+            f"None (the stage's choice) or one of {', '.join(map(repr, SPECULATIVE_METHODS))}",
+        )
+        _require(
+            self.prompt_lookup_min <= self.prompt_lookup_max,
+            "prompt_lookup_min",
+            self.prompt_lookup_min,
+            f"<= prompt_lookup_max ({self.prompt_lookup_max})",
         )
 
     def _require_count(self, name: str, optional: bool) -> None:

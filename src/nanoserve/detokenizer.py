@@ -28,8 +28,9 @@ INCOMPLETE = "\ufffd"  # what a decoder prints for the first bytes of a characte
 class IncrementalDecoder:
     """Token ids in, the text they add out ("" while a character is still incomplete)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
         self._prefix_offset = 0  # token offsets of the decoding window (the picture above)
         self._read_offset = 0
@@ -38,7 +39,7 @@ class IncrementalDecoder:
         if self._backend is not None:
             from tokenizers.decoders import DecodeStream
 
-            self._stream = DecodeStream(skip_special_tokens=True)
+            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
 
     def push(self, token_ids: list[int]) -> str:
         """The text that these new tokens complete."""
@@ -50,8 +51,8 @@ class IncrementalDecoder:
         return self._window()
 
     def decode(self, token_ids: list[int]) -> str:
-        """Text of token ids, as `LLM` decodes a completion (special tokens skipped)."""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        """Text of token ids, as `LLM` decodes a completion (special tokens skipped, by default)."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
 
     def _window(self) -> str:
         before = self.decode(self.token_ids[self._prefix_offset : self._read_offset])
@@ -75,9 +76,15 @@ def _has_decode_stream(backend) -> bool:
 class TextStream:
     """Token ids in, text pieces out, for one request; `stopped` once a stop string appeared."""
 
-    def __init__(self, tokenizer, stop: Iterable[str] = (), include_stop: bool = False):
+    def __init__(
+        self,
+        tokenizer,
+        stop: Iterable[str] = (),
+        include_stop: bool = False,
+        skip_special_tokens: bool = True,
+    ):
         self.tokenizer = tokenizer  # None for a model without one: the text stays empty
-        self.decoder = IncrementalDecoder(tokenizer)
+        self.decoder = IncrementalDecoder(tokenizer, skip_special_tokens)
         self.stop = list(stop)
         self.include_stop = include_stop  # SamplingParams.include_stop_str_in_output
         self.text = ""  # decoded so far, cut at a stop string once one is found
@@ -113,7 +120,7 @@ class TextStream:
         return self._send(len(self.text))
 
     def decode(self, token_ids: list[int]) -> str:
-        """Text of token ids, as `LLM` decodes a completion (special tokens skipped)."""
+        """Text of token ids, as the decoder decodes them."""
         return self.decoder.decode(token_ids)
 
     def _cut_at_stop(self) -> bool:
@@ -135,12 +142,12 @@ class TextStream:
 
 def cut_at_stop(text: str, stop: list[str], include: bool, start: int = 0) -> str | None:
     """text up to the earliest stop string found at or after start (through it when include);
-    None when there is none. Two stops found at one place: the longer one counts."""
-    found = [(i, -len(s)) for s in stop if (i := text.find(s, start)) != -1]
+    None when there is none. Two stops found at one place: the shorter, which ends first."""
+    found = [(i, len(s)) for s in stop if (i := text.find(s, start)) != -1]
     if not found:
         return None
-    index, minus_len = min(found)
-    return text[: index - minus_len] if include else text[:index]
+    index, length = min(found)
+    return text[: index + length * include]
 
 
 def tokens_through_stop(decode, token_ids: list[int], stop: list[str], upper: int) -> int:

@@ -18,7 +18,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from nanoserve.config import EngineConfig, InvalidOption, engine_config_for
+from nanoserve.config import (
+    SPECULATIVE_METHODS,
+    EngineConfig,
+    InvalidOption,
+    engine_config_for,
+)
 from nanoserve.kernels.backend import BACKEND_NAMES
 from nanoserve.llm_arguments import (
     DTYPE_NAMES,
@@ -76,6 +81,14 @@ ENGINE_FLAG_HELP: dict[str, tuple[str, str]] = {
         "block manager into the stage's engine instead",
         "on from stage 07",
     ),
+    "speculative_method": (
+        "stage 12: who proposes tokens: ngram (prompt lookup) or draft (the target's first layers)",
+        "ngram from stage 12",
+    ),
+    "num_speculative_tokens": ("stage 12: tokens proposed per sequence and step, at most", "4"),
+    "prompt_lookup_max": ("stage 12, ngram: the longest suffix looked up", "4"),
+    "prompt_lookup_min": ("stage 12, ngram: the shortest suffix that may propose", "1"),
+    "draft_num_layers": ("stage 12, draft: the target's layers the draft runs", "half of them"),
 }
 SHORT_FLAGS = {"tensor_parallel_size": ["-tp"]}  # vLLM's
 
@@ -95,6 +108,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             kind.update(action=argparse.BooleanOptionalAction)
         elif field.name == "attention_backend":
             kind.update(choices=("auto", *BACKEND_NAMES))
+        elif field.name == "speculative_method":
+            kind.update(choices=SPECULATIVE_METHODS)
         else:
             is_float = field.type == "float"
             kind.update(type=float if is_float else int, metavar="F" if is_float else "N")

@@ -50,6 +50,7 @@ class Sequence:
         self.block_table: list[int] = []  # stage 03+: physical block ids, in logical order
         self.num_preemptions = 0
         self.num_pending = 0  # stage 11: tokens sampled on the device, not yet seen by the host
+        self.num_draft_tokens = 0  # stage 12: the last token_ids are proposals, not yet verified
         # params.logprobs set: completion index -> that token's logprobs (the runner fills it;
         # a token discarded after the end may leave an entry past the completion: ignore it)
         self.logprobs: dict[int, TokenLogprobs] = {}
@@ -151,6 +152,7 @@ class StepMessage(NamedTuple):
     num_seqs: int
     ids_from_first_rank: bool = False  # stage 11: the rows' token ids are placeholders; rank 0
     # broadcasts the real ones (sampled on its device, never seen by the host) inside the step
+    every_row: bool = False  # stage 12: logits at every packed row (a verify step), not the last
 
 
 class StepInputs(NamedTuple):

@@ -69,18 +69,34 @@ class BlockManager:
         block_ids = self._release(seq)
         self.allocator.free([b for b in block_ids if self.ref_counts[b] == 0])
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Stage 12's rollback: seq's table keeps its first num_tokens tokens; blocks past them
+        are dropped (and freed, last first, when nobody else holds them)."""
+        self.allocator.free([b for b in self._shrink(seq, num_tokens) if self.ref_counts[b] == 0])
+
     def _grow(self, seq: Sequence, table: BlockTable) -> list[int]:
         """Grow table to len(seq) tokens, hold what it pulled, record it as seq's; returns the
         new ids. An OutOfBlocks leaves everything as it was.
 
-        This and `_release` are the only writers of seq.block_table: the manager owns the table,
-        the sequence shows it (re-shown each time: a table may replace its list when it grows).
+        This, `_release` and `_shrink` (stage 12) are the only writers of seq.block_table: the
+        manager owns the table, the sequence shows it (re-shown each time: a table may replace
+        its list when it grows).
         """
         fresh = grow_table(table, len(seq))
         self._hold(fresh)
         self.tables[seq.seq_id] = table
         seq.block_table = table.block_ids
         return fresh
+
+    def _shrink(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """Cut seq's table to num_tokens tokens and drop its hold on the blocks past them;
+        returns their ids, last first. Shrinking pulls nothing, so it cannot run out of blocks."""
+        table = self.tables[seq.seq_id]
+        dropped = table.truncate(num_tokens)
+        for block_id in dropped:
+            self.ref_counts[block_id] -= 1
+        seq.block_table = table.block_ids
+        return dropped
 
     def _release(self, seq: Sequence) -> list[int]:
         """Drop seq's table and its hold on every block; returns the ids in table order."""

@@ -3,7 +3,8 @@
 Introduced in stage 03, on top of stage 02's allocator. It only computes addresses: it stores no
 K/V (the pool tensor arrives in stage 04) and decides no sharing. Stage 07 adds two verbs:
 `adopt` (start from blocks someone else pulled: a cached prefix) and `release` (hand the ids to
-the block manager, which frees only those no other sequence holds).
+the block manager, which frees only those no other sequence holds); stage 12 adds `truncate`
+(forget rejected proposals: the blocks past the kept tokens go back to the manager).
 
     logical positions          block table           physical pool, block_size 16
     (one 20-token sequence)    (block_ids)           (flat slot = block_id * 16 + offset)
@@ -100,6 +101,16 @@ class BlockTable:
             )
         self.block_ids.extend(block_ids)
         self.num_tokens += len(block_ids) * self.block_size
+
+    def truncate(self, num_tokens: int) -> list[int]:
+        """Become num_tokens long (stage 12's rollback); return the ids of the blocks past them,
+        last first, without freeing any (the block manager decides who else holds them)."""
+        if not 0 <= num_tokens <= self.num_tokens:
+            raise ValueError(f"cannot truncate {self.num_tokens} tokens to {num_tokens}")
+        keep = self._num_blocks_for(num_tokens)
+        dropped, self.block_ids = self.block_ids[keep:], self.block_ids[:keep]
+        self.num_tokens = num_tokens
+        return dropped[::-1]
 
     def release(self) -> list[int]:
         """Become empty and return the ids held, in table order, without freeing any of them."""

@@ -87,14 +87,15 @@ class LLMEngine:
         self.count_step(batch, inputs, num_preempted_before)
         return self.scheduler.postprocess(batch, token_ids, self.eos_ids)
 
-    def count_step(self, batch, inputs, num_preempted_before: int) -> None:
-        """One more step run: the counters, and the on_step callback (e.g. --trace) told."""
+    def count_step(self, batch, inputs, num_preempted_before: int, gained=None) -> None:
+        """One more step run: the counters, and the on_step callback (e.g. --trace) told;
+        gained: what a stage 12 verify step gave each sequence (kept guesses, drawn token)."""
         self.num_steps += 1
         if batch.is_prefill:
             self.num_prefill_tokens += sum(seq.num_scheduled_tokens for seq in batch.seqs)
         if self.on_step is not None:
             num_preempted = self.scheduler.num_preemptions - num_preempted_before
-            self.on_step(StepRecord(self.num_steps, batch, inputs, num_preempted))
+            self.on_step(StepRecord(self.num_steps, batch, inputs, num_preempted, gained))
 
     def abort(self, seqs: Iterable[Sequence]) -> None:
         """Remove these requests from the queues and free their memory (finished ones: no-op)."""

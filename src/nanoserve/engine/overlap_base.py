@@ -14,7 +14,7 @@ from nanoserve.engine.kv_manager import KVCacheManager
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.overlap_runner import Launched, OverlapRunner
 from nanoserve.engine.scheduler import Scheduler
-from nanoserve.types import Sequence, SequenceStatus
+from nanoserve.types import ScheduledBatch, Sequence, SequenceStatus
 
 
 def owes_its_last_token(seq: Sequence, max_model_len: int) -> bool:
@@ -66,6 +66,10 @@ class OverlapEngineBase(LLMEngine):
         batch = self.scheduler.schedule()
         if not batch.seqs:  # everything running waits for its last token
             return None
+        return self._launch_batch(batch, num_preempted_before)
+
+    def _launch_batch(self, batch: ScheduledBatch, num_preempted_before: int) -> Launched:
+        """Hand a scheduled batch to the runner; a failed launch undoes the schedule."""
         try:
             launched = self.runner.launch(batch)
         except BaseException:

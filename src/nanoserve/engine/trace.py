@@ -8,6 +8,9 @@ unless asked for.
     step 7 decode  seqs 2  free blocks 5/12  preempted 0      (block_size 4)
       seq 4  len 13  blocks [0, 1, 2, 6]  slots [24]          position 12: block 6, offset 0
       seq 5  len 10  blocks [3, 4, 5]  slots [21]             position 9: block 5, offset 1
+
+Stage 12's verify steps say how many guesses each sequence made and kept (`guessed 3 kept 1`);
+their len and blocks still count every guess (the line is printed before the rollback).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ class StepRecord(NamedTuple):
     batch: ScheduledBatch
     inputs: StepInputs
     num_preempted: int  # sequences preempted while scheduling this step
+    gained: list[list[int]] | None = None  # stage 12's verify step: kept guesses + drawn token
 
 
 def free_memory(manager) -> str:
@@ -63,6 +67,8 @@ def blocks_with_refs(block_ids: list[int], manager) -> str:
 def format_step(record: StepRecord, manager) -> str:
     """A header line for the step, then one line per sequence in the batch."""
     kind = "prefill" if record.batch.is_prefill else "decode"
+    if record.gained is not None:
+        kind = "verify"
     lines = [
         f"step {record.step} {kind}  seqs {len(record.batch.seqs)}  {free_memory(manager)}  "
         f"preempted {record.num_preempted}"
@@ -73,4 +79,8 @@ def format_step(record: StepRecord, manager) -> str:
             where = f"slab {seq.slab_id}"
         written = f"  slots {short(slots)}" if any(s >= 0 for s in slots) else ""
         lines.append(f"  seq {seq.seq_id}  len {len(seq)}  {where}{written}")
+    if record.gained is not None:  # printed before the rollback: len and blocks count guesses
+        for line, seq, gained in zip(lines[1:], record.batch.seqs, record.gained):
+            i = lines.index(line)
+            lines[i] = f"{line}  guessed {seq.num_draft_tokens} kept {len(gained) - 1}"
     return "\n".join(lines)

@@ -113,10 +113,11 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn, metadata):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn, metadata,
+                num_layers: int | None = None):  # fmt: skip
         x = self.embed_tokens(input_ids)  # (T, hidden)
         rope = self.rotary.cos_sin(positions, x.dtype)  # (T, head_dim) each, shared by all layers
-        for layer in self.layers:
+        for layer in self.layers[:num_layers]:  # stage 12's draft runs the first layers only
             x = layer(x, rope, attn, metadata)
         return self.norm(x)
 
@@ -147,9 +148,11 @@ class CausalLM(nn.Module):
         """The dtype of the weights."""
         return self.lm_head.weight.dtype
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn, metadata):
-        """Final hidden states for every packed token, (T, hidden)."""
-        return self.model(input_ids, positions, attn, metadata)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn, metadata,
+                num_layers: int | None = None):  # fmt: skip
+        """Final hidden states for every packed token, (T, hidden); num_layers: the first layers
+        only, then the final norm (stage 12's self-speculative draft)."""
+        return self.model(input_ids, positions, attn, metadata, num_layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits over the vocabulary for the given hidden states, (N, vocab); None on a

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Callable
 from typing import NamedTuple
 
 from nanoserve.cache.budget import kv_budget_bytes
@@ -51,7 +52,7 @@ class BuiltRunner(NamedTuple):
     runner: ModelRunner
     manager: KVCacheManager
     attention: BackendChoice
-    engine: type[LLMEngine] = LLMEngine  # the loop the recipe's engine runs
+    engine: Callable[..., LLMEngine] = LLMEngine  # the loop the recipe's engine runs
 
 
 def build_engine(
@@ -103,7 +104,8 @@ def build_runner(
         graphs = capture_decode_graphs(model, built, config, choice.name)
     parts_of_runner = (model, built.cache, built.attention, built.packer, graphs, workers)
     if built.state is not None:  # stage 11: a runner that launches steps without waiting
-        runner: ModelRunner = OverlapRunner(*parts_of_runner, state=built.state)
+        runner_cls = built.runner or OverlapRunner  # stage 12: one that verifies, too
+        runner: ModelRunner = runner_cls(*parts_of_runner, state=built.state)
     else:
         runner = ModelRunner(*parts_of_runner)
     return BuiltRunner(runner, built.manager, choice, built.engine)

@@ -20,6 +20,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine.input_packer import InputPacker
 from nanoserve.engine.kv_manager import KVCacheManager
 from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.engine.overlap_runner import OverlapRunner
 from nanoserve.engine.persistent_batch import PersistentBatch
 from nanoserve.kernels.backend import AttentionBackend
 from nanoserve.models.config import ModelConfig
@@ -63,7 +64,8 @@ class EngineParts(NamedTuple):
     packer: InputPacker
     attention: AttentionBackend
     state: PersistentBatch | None = None  # stage 11: the running requests' rows on the device
-    engine: type[LLMEngine] = LLMEngine  # the loop that steps it (stage 11: the overlap loop)
+    engine: Callable[..., LLMEngine] = LLMEngine  # the loop that steps it (stage 11: overlap)
+    runner: type[OverlapRunner] | None = None  # None: the overlap runner with state, else plain
 
 
 # build(config, sizing, parts, backend): parts holds the learner's replacements only (by the

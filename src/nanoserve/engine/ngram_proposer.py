@@ -1,0 +1,59 @@
+"""The n-gram proposer (prompt lookup): guess the next tokens by finding the sequence's newest
+n tokens earlier in the sequence and proposing what followed them there.
+
+Introduced in stage 12; its learner writes `propose_ngram`. It costs no model call, and it
+guesses well where text repeats: code, edits of a given text, quoting, lists. Trace, k = 3,
+n from 2 down to 1:
+
+    tokens   5 8 2 7 9 8 2 | 7          suffix of 2: [2, 7] at positions 2..3 (and 6..7: itself)
+                 ^^^^^                  propose what followed at 4..6: [9, 8, 2]
+
+The newest earlier occurrence wins (it is the likeliest to continue the same way), longer
+suffixes before shorter ones; nothing found proposes nothing and the step decodes one token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from numpy.lib.stride_tricks import sliding_window_view
+
+from nanoserve.types import Sequence
+
+LOOKUP_WINDOW = 2048  # only the newest tokens are searched: the host's cost stays bounded
+
+
+def propose_ngram(token_ids: list[int], k: int, max_n: int, min_n: int) -> list[int]:
+    """Up to k tokens that followed the newest earlier occurrence of the sequence's last n
+    tokens (n from max_n down to min_n); [] when no suffix occurs earlier."""
+    ids = np.asarray(token_ids[-LOOKUP_WINDOW:])
+    for n in range(min(max_n, len(ids) - 1), min_n - 1, -1):
+        windows = sliding_window_view(ids[:-1], n)  # starts 0 .. len - n - 1: never the suffix
+        hits = np.flatnonzero((windows == ids[-n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return ids[start : start + k].tolist()
+    return []
+
+
+class NgramProposer:
+    """Proposes by `propose_ngram` on the host; each guess is certain (q = one-hot)."""
+
+    def __init__(self, max_n: int, min_n: int, lookup=propose_ngram):
+        self.max_n, self.min_n, self.lookup = max_n, min_n, lookup
+
+    def propose(
+        self, seqs: list[Sequence], budgets: list[int], admit: Callable[[Sequence, int], bool]
+    ) -> torch.Tensor | None:
+        """Offer each sequence up to its budget of guesses, in order, through admit (which
+        appends one and returns False when memory has no room for it). Returns None: every
+        guess is certain, so there are no draft distributions to return."""
+        for seq, budget in zip(seqs, budgets):
+            if budget == 0:
+                continue
+            for token_id in self.lookup(seq.token_ids, budget, self.max_n, self.min_n):
+                if not admit(seq, token_id):
+                    break
+        return None

@@ -1,0 +1,122 @@
+"""The given parts of stage 12's loop: proposal budgets, the proposer, the verify step's
+bookkeeping and the acceptance counters.
+
+Introduced in stage 12, given to its learner (who writes `add_proposal`, `accept` and `step`,
+in engine/speculative_engine.py). Here: how many guesses a sequence may take (never past
+max_tokens or max_model_len), which proposer guesses (n-gram or draft), a failed step's
+proposals taken back, and what `bench`, `--trace` and `/metrics` report.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.draft_proposer import DraftProposer
+from nanoserve.engine.ngram_proposer import NgramProposer, propose_ngram
+from nanoserve.engine.overlap_engine import OverlapEngine, OverlapScheduler
+from nanoserve.engine.speculative_runner import SpeculativeRunner, Verified
+from nanoserve.speculative_sampler import RULE, Rule
+from nanoserve.types import ScheduledBatch, Sequence
+
+
+class SpeculationStats(NamedTuple):
+    """Proposals made and kept since the engine started."""
+
+    num_verify_steps: int = 0  # steps that verified proposals
+    num_verified_seqs: int = 0  # sequence-steps inside them
+    num_proposed: int = 0  # guesses judged
+    num_accepted: int = 0  # guesses kept
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Kept guesses per guess (0 before the first)."""
+        return self.num_accepted / self.num_proposed if self.num_proposed else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens a verified sequence gains per step: kept guesses plus the one drawn."""
+        seqs = self.num_verified_seqs
+        return (self.num_accepted + seqs) / seqs if seqs else 0.0
+
+
+class SpeculativeSchedulerBase(OverlapScheduler):
+    """Stage 11's scheduler, with budgets for guesses and a way to take them back."""
+
+    manager: BlockManager  # stage 12 runs on blocks (stage 04's or stage 07's manager)
+
+    def add_proposal(self, seq: Sequence, token_id: int) -> bool:
+        """Append one guess to seq if memory allows (the learner's, in speculative_engine.py)."""
+        raise NotImplementedError
+
+    def budget(self, seq: Sequence, k: int) -> int:
+        """How many guesses seq may take: at most k, and few enough that every kept one plus
+        the token drawn after them stays within max_tokens and max_model_len."""
+        left = seq.params.max_tokens - seq.num_completion_tokens - 1
+        room = self.config.max_model_len - len(seq) - 1
+        return max(0, min(k, left, room))
+
+    def discard_proposals(self, seqs: list[Sequence]) -> None:
+        """A step that failed: its guesses leave the sequences and their blocks (if any grew)."""
+        for seq in seqs:
+            if seq.num_draft_tokens:
+                del seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens :]
+                seq.num_scheduled_tokens -= seq.num_draft_tokens
+                seq.num_draft_tokens = 0
+                self.manager.truncate(seq, len(seq))
+
+
+class SpeculativeEngineBase(OverlapEngine):
+    """Stage 11's engine with a proposer and a verify step; every step is synchronous."""
+
+    runner: SpeculativeRunner
+    scheduler: SpeculativeSchedulerBase
+    Scheduler: type[SpeculativeSchedulerBase] = SpeculativeSchedulerBase
+
+    def __init__(self, *args, lookup=propose_ngram, rule: Rule = RULE, **kwargs):
+        super().__init__(*args, **kwargs)
+        config = self.config
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.rule = rule  # the rejection rule's two functions (a learner's, or rejection.py's)
+        self.proposer: NgramProposer | DraftProposer
+        if (config.speculative_method or "ngram") == "ngram":
+            self.proposer = NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min,
+                                          lookup)  # fmt: skip
+        else:
+            num_layers = config.draft_num_layers or self.runner.model.config.num_hidden_layers // 2
+            self.proposer = DraftProposer(self.runner, max(1, num_layers))
+        self.speculation = SpeculationStats()
+
+    def propose(self, batch: ScheduledBatch) -> torch.Tensor | None:
+        """Let the proposer guess for every sequence of a decode batch (each guess appended by
+        the scheduler's add_proposal); the draft's distributions, or None for n-gram guesses."""
+        k = self.num_speculative_tokens
+        budgets = [self.scheduler.budget(seq, k) for seq in batch.seqs]
+        try:
+            return self.proposer.propose(batch.seqs, budgets, self.scheduler.add_proposal)
+        except BaseException:
+            self.scheduler.discard_proposals(batch.seqs)
+            raise
+
+    def verify(
+        self, batch: ScheduledBatch, draft_probs: torch.Tensor | None, num_preempted_before: int
+    ) -> Verified:
+        """Run the verify step; count what it proposed and kept, and tell --trace."""
+        try:
+            verified = self.runner.verify(batch, draft_probs, self.rule)
+        except BaseException:
+            self.scheduler.discard_proposals(batch.seqs)
+            raise
+        proposed = sum(seq.num_draft_tokens for seq in batch.seqs)
+        kept = sum(len(gained) - 1 for gained in verified.token_ids)
+        s = self.speculation
+        self.speculation = SpeculationStats(
+            s.num_verify_steps + 1,
+            s.num_verified_seqs + len(batch.seqs),
+            s.num_proposed + proposed,
+            s.num_accepted + kept,
+        )
+        self.count_step(batch, verified.inputs, num_preempted_before, verified.token_ids)
+        return verified

@@ -1,0 +1,46 @@
+"""Stage 12's engine: stage 11's, with a proposer, a verify step and the rollback.
+
+Its learner writes the n-gram lookup (`propose_ngram`), the rejection rule (`num_accepted`,
+`residual`) and the loop (`SpeculativeEngine`: `add_proposal`, `accept`, `step`); given to them:
+the draft proposer, the verify step and the device-side verdict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine.ngram_proposer import propose_ngram
+from nanoserve.engine.speculative_engine import SpeculativeEngine
+from nanoserve.engine.speculative_runner import SpeculativeRunner
+from nanoserve.recipes import overlap
+from nanoserve.recipes.recipe import EngineParts, Sizing
+from nanoserve.rejection import num_accepted, residual
+from nanoserve.speculative_sampler import Rule
+
+
+def build(config: EngineConfig, sizing: Sizing, parts: dict, backend: str) -> EngineParts:
+    """Stage 11's parts; the learner's loop, lookup and rule (or ours) in the engine."""
+    managers = {k: v for k, v in parts.items() if k == "PrefixBlockManager"}
+    built = overlap.build(config, sizing, managers, backend)  # stage 11's persistent batch
+    if config.speculative_method == "draft" and sizing.tp_size > 1:
+        raise ValueError(
+            "speculative_method='draft' runs the draft on one rank; with "
+            f"tensor_parallel_size={sizing.tp_size} use speculative_method='ngram'"
+        )
+    rule = Rule(parts.get("num_accepted", num_accepted), parts.get("residual", residual))
+    engine = functools.partial(
+        parts.get("SpeculativeEngine", SpeculativeEngine),
+        lookup=parts.get("propose_ngram", propose_ngram),
+        rule=rule,
+    )
+    return built._replace(engine=engine, runner=SpeculativeRunner)
+
+
+RECIPE = dataclasses.replace(
+    overlap.RECIPE,
+    build=build,
+    # stage 07's manager stays replaceable (enable_prefix_caching=False puts stage 04's there)
+    parts=("SpeculativeEngine", "propose_ngram", "num_accepted", "residual", "PrefixBlockManager"),
+)
