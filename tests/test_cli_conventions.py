@@ -305,7 +305,7 @@ def test_ctrl_c_during_a_chat_reply_keeps_what_came_and_returns_to_the_prompt(ca
 
 def test_a_chat_reply_cut_by_max_tokens_is_marked(capsys):
     from nanoserve.cli import chat_reply
-    from nanoserve.llm import RequestOutput
+    from nanoserve.llm import CompletionOutput, RequestOutput
 
     class Cut:
         def apply_chat_template(self, history):
@@ -313,7 +313,9 @@ def test_a_chat_reply_cut_by_max_tokens_is_marked(capsys):
 
         def stream(self, prompt, params):
             yield "The capital of France"
-            return RequestOutput("prompt", [1], "The capital of France", [2, 3], "length")
+            return RequestOutput(
+                "prompt", [1], [CompletionOutput(0, "The capital of France", [2, 3], "length")]
+            )
 
     assert chat_reply(Cut(), [], None) == "The capital of France"
     assert capsys.readouterr().out == "The capital of France [length]\n"

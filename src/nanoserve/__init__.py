@@ -12,7 +12,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from nanoserve.llm import LLM, RequestOutput
+    from nanoserve.llm import LLM, CompletionOutput, Logprob, RequestOutput
     from nanoserve.sampling import SamplingParams
 
 try:
@@ -20,9 +20,11 @@ try:
 except PackageNotFoundError:  # run from a source tree that was never installed
     __version__ = "0+unknown"
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "__version__"]
 _MODULE_OF = {
     "LLM": "nanoserve.llm",
+    "CompletionOutput": "nanoserve.llm",
+    "Logprob": "nanoserve.llm",
     "RequestOutput": "nanoserve.llm",
     "SamplingParams": "nanoserve.sampling",
 }

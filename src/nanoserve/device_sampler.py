@@ -16,7 +16,8 @@ nothing else: the same tokens whatever else is in its batch and however the batc
 Greedy rows (temperature 0, or top_k 1) take the argmax, the same token as `Sampler`. Seeded
 sampling is a new random stream: a seed gives other tokens here than under `Sampler`, drawn from
 the same distribution (tests/test_device_sampler.py checks it by chi-square). Unseeded rows use a
-seed drawn when the request takes its row. It does no penalties and no logprobs.
+seed drawn when the request takes its row. It does no penalties; logprobs, when a row asks, are
+computed beside it on the device (logprobs.py) and travel to the host with the tokens.
 
 The per-token hash is 32-bit (lowbias32, Chris Wellons' finalizer) because it runs V times per
 row: on a CPU, torch's 32-bit lanes do it in half the time of 64-bit ones, and on a GPU

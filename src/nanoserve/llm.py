@@ -1,17 +1,18 @@
 """`LLM`, the public entry point, shaped like vLLM's: load a model once, then generate or chat.
 
 Introduced in stage 00. It keeps the tokenizer and the engine: it tokenizes, builds the engine of
-the requested stage (whose model runner builds the model), drives the loop and detokenizes; all
-the mechanism lives in `nanoserve.engine`, `nanoserve.cache` and `nanoserve.kernels`.
+the requested stage (whose model runner builds the model), drives the loop and detokenizes; n
+completions, stop strings and outputs are completions.py's; all the mechanism lives in
+`nanoserve.engine`, `nanoserve.cache` and `nanoserve.kernels`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass
 
 from tqdm import tqdm
 
+from nanoserve.completions import CompletionOutput, Logprob, RequestOutput, RequestRun
 from nanoserve.config import engine_config_for
 from nanoserve.llm_arguments import (
     chat_prompt,
@@ -25,21 +26,11 @@ from nanoserve.models.loader import load_model_config, load_tokenizer, model_sou
 from nanoserve.models.registry import DEFAULT_MODEL
 from nanoserve.parallel.group import start_engine
 from nanoserve.recipes.assemble import build_engine
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling import SamplingParams, child_params
 from nanoserve.stages import latest_stage, require_implemented
 from nanoserve.types import ModelSpec
-from nanoserve.types import Sequence as Seq
 
-
-@dataclass
-class RequestOutput:
-    """One finished request."""
-
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: str  # "stop" (EOS or a stop token) or "length" (max_tokens, max_model_len)
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput"]
 
 
 class LLM:
@@ -97,24 +88,32 @@ class LLM:
         return ids
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Complete every prompt; outputs come back in the order of the prompts."""
+        """Complete every prompt; outputs come back in the order of the prompts, each with
+        `SamplingParams.n` completions."""
         texts, prompt_ids = self._tokenize_all(prompts)
         params = self._params_per_prompt(sampling_params, len(prompt_ids))
         for i, (ids, p) in enumerate(zip(prompt_ids, params)):  # check all before queueing any
             try:
-                self.engine.check_request(ids, p)
+                self._check_request(ids, p)
             except ValueError as err:
                 raise ValueError(f"prompts[{i}]: {err}") from None
-        seqs: list[Seq] = []
+        runs: list[RequestRun] = []
         try:  # the call owns its requests: however it ends, none is left queued or holding memory
-            seqs.extend(self.engine.add_request(ids, p) for ids, p in zip(prompt_ids, params))
-            bar = tqdm(total=len(seqs), desc="generate", disable=not use_tqdm or len(seqs) < 2)
+            for text, ids, p in zip(texts, prompt_ids, params):
+                runs.append(RequestRun(self.engine, text, ids, p, self.tokenizer))
+            bar = tqdm(total=len(runs), desc="generate", disable=not use_tqdm or len(runs) < 2)
             with bar:
-                while not all(seq.is_finished for seq in seqs):
-                    bar.update(len(self.engine.step()))
+                active = runs
+                while active:
+                    self.engine.step()
+                    for run in active:  # stop strings, and the children queued a step later
+                        run.advance()
+                    unfinished = [run for run in active if not run.is_finished]
+                    bar.update(len(active) - len(unfinished))
+                    active = unfinished
         finally:
-            self.engine.abort(seqs)
-        return [self._output(text, seq) for text, seq in zip(texts, seqs)]
+            self.engine.abort([seq for run in runs for seq in run.seqs])
+        return [run.output() for run in runs]
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Reply to one conversation (a list of {"role", "content"}) or a list of them."""
@@ -130,22 +129,28 @@ class LLM:
     def stream(
         self, prompt: str, sampling_params: SamplingParams | None = None
     ) -> Generator[str, None, RequestOutput]:
-        """Yield pieces of the completion text as tokens are produced; the generator then returns
-        the finished request's RequestOutput (`yield from` or StopIteration.value carries it)."""
-        _, (ids,) = self._tokenize_all([prompt])
+        """Yield pieces of the completion text as tokens are produced, one per step (maybe
+        empty); the generator then returns the finished request's RequestOutput (`yield from` or
+        StopIteration.value carries it). One completion: `SamplingParams.n` must be 1."""
+        (text,), (ids,) = self._tokenize_all([prompt])
         (params,) = self._params_per_prompt(sampling_params, 1)
-        seq = self.engine.add_request(ids, params)
-        printed = ""
+        if params.n != 1:
+            raise ValueError(
+                f"SamplingParams.n = {params.n}: stream yields one completion; use generate"
+            )
+        self._check_request(ids, params)
+        run = RequestRun(self.engine, text, ids, params, self.tokenizer, streamed=True)
+        (completion,) = run.completions
         try:  # closing the generator early (or an interrupt) aborts the request
-            while not seq.is_finished:
+            while not run.is_finished:
                 self.engine.step()
-                text = self._decode(seq.completion_token_ids)
-                if not text.endswith("\ufffd"):  # hold back half of a multi-byte character
-                    yield text[len(printed) :]
-                    printed = text
+                (piece,) = run.advance()
+                if run.is_finished and not completion.is_stopped:
+                    piece += completion.stream.finish()  # what was held back for a stop string
+                yield piece
         finally:
-            self.engine.abort([seq])
-        return self._output(prompt, seq)
+            self.engine.abort(run.seqs)
+        return run.output()
 
     def _tokenize_all(self, prompts) -> tuple[list[str | None], list[list[int]]]:
         if isinstance(prompts, str):
@@ -196,16 +201,11 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer; pass prompts as lists of token ids")
 
-    def _decode(self, token_ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
-
-    def _output(self, prompt: str | None, seq) -> RequestOutput:
-        return RequestOutput(
-            prompt,
-            seq.prompt_token_ids,
-            self._decode(seq.completion_token_ids),
-            seq.completion_token_ids,
-            seq.finish_reason,
-        )
+    def _check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """The engine's checks, and stop strings need a tokenizer (n is expanded here)."""
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                f"SamplingParams.stop = {params.stop!r} needs text; this model has no tokenizer "
+                "(use stop_token_ids)"
+            )
+        self.engine.check_request(prompt_ids, child_params(params)[0])  # they differ in seed

@@ -2,14 +2,15 @@
 
 Introduced in stage 00. Temperature 0 is greedy (argmax); otherwise softmax(logits / T), cut to
 top-k and then top-p, and one draw per sequence: a single uniform number mapped through the
-cumulative distribution (inverse-CDF sampling), batched over rows. It does no beam search, no
-penalties and no logprobs.
+cumulative distribution (inverse-CDF sampling), batched over rows. `SamplingParams` also carries
+what the sampler does not do itself: stop strings and `n` (done by `LLM`, detokenizer.py) and
+`logprobs` (logprobs.py). It does no beam search and no penalties.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -19,7 +20,18 @@ from nanoserve.config import is_int, is_real
 # would silently be the stream of 2**64 - 1 (and elsewhere -1 often means "unseeded"). We accept
 # the generator's own unsigned 64-bit seeds only: [0, 2**64).
 SEED_LIMIT = 2**64
-_NUMBER_TYPES = {"temperature": float, "top_p": float, "top_k": int, "max_tokens": int, "seed": int}
+MAX_STOP_STRINGS = 16  # the server's defaults too (serving/limits.py): each is searched per token
+MAX_STOP_CHARS = 256
+MAX_LOGPROBS = 20  # OpenAI's and vLLM's default cap
+_NUMBER_TYPES = {
+    "temperature": float,
+    "top_p": float,
+    "top_k": int,
+    "max_tokens": int,
+    "seed": int,
+    "n": int,
+    "logprobs": int,
+}
 
 
 @dataclass(frozen=True)
@@ -33,6 +45,10 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()  # any iterable of ids is accepted and stored as a tuple
     seed: int | None = None
+    stop: tuple[str, ...] = ()  # one str or an iterable of them; stored as a tuple
+    include_stop_str_in_output: bool = False
+    n: int = 1  # completions per prompt: LLM.generate runs n sequences (`child_params`)
+    logprobs: int | None = None  # per token: its log-probability and the top-`logprobs` ones
 
     def __post_init__(self):
         t, k, p, n, seed = self.temperature, self.top_k, self.top_p, self.max_tokens, self.seed
@@ -48,6 +64,13 @@ class SamplingParams:
             "None or an int in [0, 2**64)",
         )
         object.__setattr__(self, "stop_token_ids", _stop_token_ids(self.stop_token_ids))
+        object.__setattr__(self, "stop", _stop_strings(self.stop))
+        include = self.include_stop_str_in_output
+        _check(isinstance(include, bool), "include_stop_str_in_output", include, "a bool")
+        _check(is_int(self.n) and self.n >= 1, "n", self.n, "an int >= 1")
+        lp = self.logprobs
+        expected = f"None or an int in [0, {MAX_LOGPROBS}]"
+        _check(lp is None or (is_int(lp) and 0 <= lp <= MAX_LOGPROBS), "logprobs", lp, expected)
         for name, kind in _NUMBER_TYPES.items():
             value = getattr(self, name)
             if value is not None:  # numpy numbers in, Python numbers out (manual_seed needs int)
@@ -67,6 +90,42 @@ def _stop_token_ids(value) -> tuple[int, ...]:
     ids = tuple(value)
     _check(all(is_int(i) and i >= 0 for i in ids), "stop_token_ids", ids, expected)
     return tuple(int(i) for i in ids)
+
+
+def _stop_strings(value) -> tuple[str, ...]:
+    """One stop string or an iterable of them, as a tuple; each non-empty, within the limits."""
+    expected = (
+        f"a str or a list of at most {MAX_STOP_STRINGS} non-empty strs of at most "
+        f"{MAX_STOP_CHARS} characters each"
+    )
+    if isinstance(value, str):
+        value = (value,)
+    _check(isinstance(value, Iterable) and not isinstance(value, bytes), "stop", value, expected)
+    stops = tuple(value)
+    ok = len(stops) <= MAX_STOP_STRINGS and all(
+        isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops
+    )
+    _check(ok, "stop", stops, expected)
+    return stops
+
+
+def child_params(params: SamplingParams) -> list[SamplingParams]:
+    """The n one-completion requests that a request for n completions runs as.
+
+    Child 0 is the request itself (so n=1 and the first of n give the same tokens); child i > 0
+    of a seeded request gets its own seed, derived from the request's and i: the children differ
+    and a rerun repeats them. Unseeded children draw unseeded; greedy ones are all equal.
+    """
+    children = []
+    for i in range(params.n):
+        seed = params.seed
+        if seed is not None and i > 0:
+            seed = (seed + i * _GOLDEN_64) % SEED_LIMIT
+        children.append(replace(params, n=1, seed=seed))
+    return children
+
+
+_GOLDEN_64 = 0x9E3779B97F4A7C15  # an odd constant: seed + i * it never repeats for i < 2**64
 
 
 def _check(ok: bool, name: str, value, allowed: str) -> None:

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 
+from nanoserve.logprobs import TokenLogprobs
 from nanoserve.sampling import SamplingParams, make_generator
 
 
@@ -50,6 +51,9 @@ class Sequence:
         self.num_preemptions = 0
         self.num_pending = 0  # stage 11: tokens sampled on the device, not yet seen by the host
         self.num_draft_tokens = 0  # stage 12: the last token_ids are proposals, not yet verified
+        # params.logprobs set: completion index -> that token's logprobs (the runner fills it;
+        # a token discarded after the end may leave an entry past the completion: ignore it)
+        self.logprobs: dict[int, TokenLogprobs] = {}
 
     def __len__(self) -> int:
         """Every token of the sequence, counting one the device sampled and the host awaits."""

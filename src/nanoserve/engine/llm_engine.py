@@ -52,6 +52,11 @@ class LLMEngine:
         """Raise ValueError naming what is wrong with a request; queue nothing."""
         if len(prompt_token_ids) == 0:
             raise ValueError("prompt is empty; it needs at least one token")
+        if params.n != 1:
+            raise ValueError(
+                f"SamplingParams.n = {params.n}: the engine runs one completion per request; "
+                "run sampling.child_params(params), one request each (LLM.generate does)"
+            )
         bad = [
             t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size
         ]

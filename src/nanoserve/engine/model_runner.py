@@ -24,6 +24,7 @@ from nanoserve.engine.cuda_graphs import DecodeGraphs
 from nanoserve.engine.input_packer import InputPacker, pack_step
 from nanoserve.kernels.attention import NoCacheAttention
 from nanoserve.kernels.backend import AttentionBackend
+from nanoserve.logprobs import pending_logprobs
 from nanoserve.models.decoder import CausalLM
 from nanoserve.sampling import Sampler, SamplingParams
 from nanoserve.types import ScheduledBatch, Sequence, StepInputs, StepMessage
@@ -87,6 +88,9 @@ class ModelRunner:
         if len(rows) < len(batch.seqs):
             logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
         sampled = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        logprobs = pending_logprobs(seqs, logits, sampled)
+        if logprobs is not None:  # only when a request asks (SamplingParams.logprobs)
+            logprobs.record()
         token_ids: list[int | None] = [None] * len(batch.seqs)
         for i, token_id in zip(rows, sampled):
             token_ids[i] = token_id

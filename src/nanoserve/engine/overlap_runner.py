@@ -11,6 +11,7 @@ schedule the next step while this one runs, and read these tokens afterwards.
                             decode on the device (ids = the tokens the step before sampled)
                     forward (a graph replay for decode), sample on the device (device_sampler)
                     record tokens in the rows; copy them to the host without waiting
+                    (with their logprobs, computed on the device, if a row asks)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from nanoserve.engine.device_batch import to_device_ints
 from nanoserve.engine.graph_buffers import view_rows
 from nanoserve.engine.model_runner import ModelRunner, completes_prompt
 from nanoserve.engine.persistent_batch import PersistentBatch
+from nanoserve.logprobs import LogprobTensors, PendingLogprobs, pending_logprobs
 from nanoserve.types import ScheduledBatch, Sequence, StepInputs, StepMessage, StepRow
 
 
@@ -37,11 +39,15 @@ class Launched(NamedTuple):
     sampled: list[int]  # which of batch.seqs sample a token (a prefill chunk does not)
     tokens: torch.Tensor  # (len(sampled),) on the host; pinned and filled late on a GPU
     ready: torch.cuda.Event | None  # fires when `tokens` holds the step's tokens (None: CPU)
+    logprobs: PendingLogprobs | None = None  # host copies beside `tokens`, when some row asked
 
     def token_ids(self) -> list[int | None]:
-        """Wait for the step's tokens; one per sequence of the batch (None: nothing sampled)."""
+        """Wait for the step's tokens; one per sequence of the batch (None: nothing sampled).
+        The logprobs asked for are stored on their sequences first."""
         if self.ready is not None:
             self.ready.synchronize()
+        if self.logprobs is not None:
+            self.logprobs.record()
         out: list[int | None] = [None] * len(self.batch.seqs)
         for i, token_id in zip(self.sampled, self.tokens.tolist()):
             out[i] = token_id
@@ -94,7 +100,11 @@ class OverlapRunner(ModelRunner):
         self.state.record(rows, tokens, positions + 1)
         for i in sampled:
             self.state.sampled[host_rows[i]] = True
-        return Launched(batch, inputs, sampled, *to_host(tokens))
+        logprobs = pending_logprobs([seqs[i] for i in sampled], logits, tokens)  # None: no work
+        host, ready = to_host([tokens, *(logprobs.tensors if logprobs is not None else ())])
+        if logprobs is not None:
+            logprobs = logprobs._replace(tensors=LogprobTensors(*host[1:]))
+        return Launched(batch, inputs, sampled, host[0], ready, logprobs)
 
     def decode_inputs(self, seqs: list[Sequence], rows: torch.Tensor) -> tuple[StepInputs, bool]:
         """The decode step built on the device, and whether a graph replays it: then it is
@@ -114,12 +124,14 @@ class OverlapRunner(ModelRunner):
         return self.workers.step(StepMessage(False, rows, len(rows), ids_from_first_rank=True))
 
 
-def to_host(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """Start copying tokens to the host: (the host tensor, an event that fires when it is there)."""
-    if tokens.device.type != "cuda":
-        return tokens, None
-    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-    host.copy_(tokens, non_blocking=True)
+def to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+    """Start copying tensors to the host: (the host tensors, an event that fires when they are
+    there). The tokens alone unless some row asked for logprobs."""
+    if tensors[0].device.type != "cuda":
+        return tensors, None
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for source, target in zip(tensors, host):
+        target.copy_(source, non_blocking=True)
     ready = torch.cuda.Event()
     ready.record()
     return host, ready

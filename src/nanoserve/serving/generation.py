@@ -14,13 +14,13 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import cast
 
+from nanoserve.detokenizer import TextStream
 from nanoserve.sampling import SamplingParams
 from nanoserve.serving import responses
 from nanoserve.serving.async_engine import AsyncEngine
 from nanoserve.serving.engine_thread import EngineError
 from nanoserve.serving.metrics import Metrics
 from nanoserve.serving.protocol import APIError
-from nanoserve.serving.text import TextStream
 
 
 class Generation:
