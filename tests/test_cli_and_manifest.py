@@ -13,9 +13,9 @@ from .conftest import needs_smollm2
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_manifest_lists_all_twelve_stages_in_order():
-    assert [s.number for s in STAGES] == list(range(12))
-    assert [s.stem[:2] for s in STAGES] == [f"{n:02d}" for n in range(12)]
+def test_manifest_lists_all_thirteen_stages_in_order():
+    assert [s.number for s in STAGES] == list(range(13))
+    assert [s.stem[:2] for s in STAGES] == [f"{n:02d}" for n in range(13)]
 
 
 def test_every_reference_module_of_an_implemented_stage_exists():
@@ -30,8 +30,8 @@ def test_default_llm_stage_is_the_newest_implemented(tiny_checkpoints):
 
 
 def test_get_stage_rejects_numbers_outside_the_manifest():
-    with pytest.raises(ValueError, match=r"0\.\.11"):
-        get_stage(12)
+    with pytest.raises(ValueError, match=r"0\.\.12"):
+        get_stage(13)
 
 
 def test_stages_command_prints_every_stage(capsys):
