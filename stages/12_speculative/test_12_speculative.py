@@ -443,6 +443,22 @@ def run(llm: LLM, params) -> list[list[int]]:
     return [seq.completion_token_ids for seq in seqs]
 
 
+def assert_same_tokens(got: list[list[int]], want: list[list[int]], when: str) -> None:
+    """Each request's completion equals stage 11's; a failure names the first token that differs."""
+    __tracebackhide__ = True
+    for i, (mine, theirs) in enumerate(zip(got, want)):
+        if mine != theirs:
+            j = next((j for j, (a, b) in enumerate(zip(mine, theirs)) if a != b), None)
+            where = (
+                f"completion token {j} is {mine[j]}, stage 11's is {theirs[j]}"
+                if j is not None
+                else f"{len(mine)} tokens, stage 11 gives {len(theirs)}"
+            )
+            raise AssertionError(
+                f"{when}: request {i}'s {where} (yours {mine}, stage 11's {theirs})"
+            )
+
+
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
@@ -450,7 +466,7 @@ def test_task_4_guesses_always_right_give_stage_11s_tokens_in_fewer_steps(
     impl, tiny_llama_folder, stage_11
 ):
     llm = speculative(tiny_llama_folder, impl, Oracle(stage_11["plenty"], right=True))
-    assert run(llm, GREEDY) == stage_11["plenty"]
+    assert_same_tokens(run(llm, GREEDY), stage_11["plenty"], "guesses always right")
     stats = llm.engine.speculation
     assert stats.num_proposed > 0 and stats.num_accepted == stats.num_proposed, (
         f"every guess was stage 11's next token: {stats.num_accepted} of {stats.num_proposed} "
@@ -465,7 +481,7 @@ def test_task_4_guesses_always_right_give_stage_11s_tokens_in_fewer_steps(
 
 def test_task_4_guesses_always_wrong_still_give_stage_11s_tokens(impl, tiny_llama_folder, stage_11):
     llm = speculative(tiny_llama_folder, impl, Oracle(stage_11["plenty"], right=False))
-    assert run(llm, GREEDY) == stage_11["plenty"]
+    assert_same_tokens(run(llm, GREEDY), stage_11["plenty"], "guesses always wrong")
     stats = llm.engine.speculation
     assert stats.num_proposed > 0 and stats.num_accepted == 0, (
         f"no guess was right, yet {stats.num_accepted} of {stats.num_proposed} were kept"
@@ -475,7 +491,7 @@ def test_task_4_guesses_always_wrong_still_give_stage_11s_tokens(impl, tiny_llam
 @pytest.mark.parametrize("right", [True, False], ids=["right", "wrong"])
 def test_task_4_with_preemption_the_tokens_stay_stage_11s(impl, tiny_llama_folder, stage_11, right):
     llm = speculative(tiny_llama_folder, impl, Oracle(stage_11["plenty"], right), num_kv_blocks=9)
-    assert run(llm, GREEDY) == stage_11["plenty"]
+    assert_same_tokens(run(llm, GREEDY), stage_11["plenty"], "9 blocks, requests preempted")
     assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to run dry"
 
 
@@ -487,16 +503,17 @@ def test_task_4_max_tokens_and_a_stop_token_end_requests_as_in_stage_11(
     stopped = SamplingParams(
         max_tokens=MAX_TOKENS, stop_token_ids=[stage_11["stop"]], ignore_eos=True
     )
-    assert run(llm, stopped) == stage_11["stopped"], "a stop token inside a kept run"
+    stop = stage_11["stop"]
+    assert_same_tokens(run(llm, stopped), stage_11["stopped"], f"stop token {stop}")
     limits = [1, 2, 5, 7, 12]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in limits]
     want = [tokens[:n] for tokens, n in zip(stage_11["plenty"], limits)]
-    assert run(llm, params) == want, f"max_tokens {limits}"
+    assert_same_tokens(run(llm, params), want, f"max_tokens {limits}")
 
 
 def test_task_4_a_step_without_guesses_is_a_stage_11_step(impl, tiny_llama_folder, stage_11):
     llm = speculative(tiny_llama_folder, impl, lambda token_ids, k, max_n, min_n: [])
-    assert run(llm, GREEDY) == stage_11["plenty"]
+    assert_same_tokens(run(llm, GREEDY), stage_11["plenty"], "no guesses")
     stats = llm.engine.speculation
     assert stats.num_verify_steps == 0, (
         f"nobody guessed, yet {stats.num_verify_steps} steps were verify steps: a decode "
@@ -508,7 +525,7 @@ def test_task_4_your_whole_stage_with_your_lookup_gives_stage_11s_tokens(
     impl, tiny_llama_folder, stage_11
 ):
     llm = speculative(tiny_llama_folder, impl, impl.propose_ngram)
-    assert run(llm, GREEDY) == stage_11["plenty"]
+    assert_same_tokens(run(llm, GREEDY), stage_11["plenty"], "your propose_ngram's guesses")
     stats = llm.engine.speculation
     assert stats.num_accepted > 0, f"these completions repeat, yet no guess was kept: {stats}"
 
@@ -525,5 +542,5 @@ def test_task_4_on_a_gpu_the_loop_gives_stage_11s_tokens(impl, tiny_llama_folder
     }
     llm = LLM(tiny_llama_folder, stage=12, components=parts, **options)
     got = llm.generate(prompts(), GREEDY, use_tqdm=False)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert_same_tokens([o.token_ids for o in got], [o.token_ids for o in want], "on a GPU")
     assert llm.engine.speculation.num_accepted > 0
