@@ -1,5 +1,6 @@
-"""Tests for nanoserve.models.gguf: our block decoders against the `gguf` package's reference, the
-Q/K un-permutation, and a whole SmolLM2 GGUF against transformers' own GGUF loading."""
+"""Tests for nanoserve.models.gguf: decoding through `gguf.quants` (shapes, copies, errors, one Q4_1
+block by hand), the Q/K un-permutation, and a whole SmolLM2 GGUF against transformers' own GGUF
+loading."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from nanoserve.models.gguf import dequantize, read_gguf, unpermute_qk
 Q = gguf.GGMLQuantizationType
 SUPPORTED = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1]
 BLOCK_TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1]  # the ones with per-block float16 scales
+K_QUANTS = [Q.Q4_K, Q.Q6_K]  # 256-element super-blocks: gguf decodes them, it cannot write them
 
 
 def _smollm2_path() -> Path | None:
@@ -53,12 +55,12 @@ def test_dequantize_matches_reference_on_quantized_random_data(qtype, shape):
     np.testing.assert_array_equal(ours, reference_dequantize(data, qtype).reshape(shape))
 
 
-@pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", SUPPORTED + K_QUANTS, ids=lambda t: t.name)
 def test_dequantize_matches_reference_on_random_bytes(qtype):
     """Every bit pattern of the codes (int8 -128, nibbles 0..15), with valid float16 scales."""
     rng = np.random.default_rng(1)
     block_elements, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-    rows, cols = 6, 128
+    rows, cols = 6, 256
     blocks = rng.integers(0, 256, (rows * cols // block_elements, block_bytes), dtype=np.uint8)
     if qtype in BLOCK_TYPES:
         n_scales = 2 if qtype == Q.Q4_1 else 1  # Q4_1 has d and m, the others only d
@@ -79,9 +81,16 @@ def test_q4_1_by_hand():
     np.testing.assert_array_equal(dequantize(block, Q.Q4_1, (32,)), 0.5 * codes - 1.0)
 
 
+def test_f32_is_copied_out_of_the_file():
+    data = np.arange(8, dtype=np.float32)
+    values = dequantize(data.view(np.uint8), Q.F32, (2, 4))
+    assert not np.shares_memory(values, data)
+    np.testing.assert_array_equal(values, data.reshape(2, 4))
+
+
 def test_dequantize_rejects_unsupported_types_and_wrong_sizes():
-    with pytest.raises(ValueError, match="Q4_K is not supported"):
-        dequantize(np.zeros(144, np.uint8), Q.Q4_K, (256,))
+    with pytest.raises(ValueError, match=r"I32 is not supported \(gguf \S+ cannot dequantize it"):
+        dequantize(np.zeros(32, np.uint8), Q.I32, (8,))
     with pytest.raises(ValueError, match=r"do not hold a tensor of shape \(2, 32\)"):
         dequantize(np.zeros(34, np.uint8), Q.Q8_0, (2, 32))
 
@@ -287,11 +296,11 @@ def test_other_architecture_is_rejected(tmp_path):
 
 
 def test_unsupported_tensor_type_names_tensor_and_type(tiny, tmp_path):
-    path = tmp_path / "q4k.gguf"
-    q4_k_blocks = np.zeros((4, 144), np.uint8)  # 4 rows of one 256-element Q4_K block each
-    tensors = dict(tiny[1], **{"token_embd.weight": (q4_k_blocks, Q.Q4_K)})
+    path = tmp_path / "i32.gguf"
+    int32_rows = np.zeros((4, 4 * 64), np.uint8)  # 4 rows of 64 int32s: not a weight format
+    tensors = dict(tiny[1], **{"token_embd.weight": (int32_rows, Q.I32)})
     _write_tiny_gguf(path, tensors)
-    with pytest.raises(ValueError, match=r"token_embd\.weight: tensor type Q4_K is not supported"):
+    with pytest.raises(ValueError, match=r"token_embd\.weight: tensor type I32 is not supported"):
         read_gguf(path)
 
 

@@ -204,3 +204,22 @@ def test_stage11_seeded_tokens_on_cuda_ignore_the_batch_around_them():
     batch, params = [*crowd[:4], prompt, *crowd[4:]], [other] * 4 + [seeded] + [other] * 5
     mixed = llm.generate(batch, params, use_tqdm=False)
     assert mixed[4].token_ids == alone
+
+
+# ---- stage 12: speculative decoding on the device ----
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_qwen3_shape_bf16_stage12_matches_stage11_on_cuda_up_to_top5(method):
+    options = dict(dtype="bfloat16", max_num_seqs=16, max_model_len=1024, block_size=256)
+    options.update(attention_backend="triton", num_kv_blocks=64)
+    ref = LLM("qwen3-0.6b", stage=11, **options)
+    got = LLM("qwen3-0.6b", stage=12, speculative_method=method, draft_num_layers=8, **options)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    ids = [[(13 * i + 7 * (j % 17)) % 10000 for j in range(20 + 41 * i)] for i in range(20)]
+    ref_out = ref.generate(ids, params, use_tqdm=False)
+    got_out = got.generate(ids, params, use_tqdm=False)
+    assert got.engine.speculation.num_proposed > 0
+    for prompt, a, b in zip(ids, ref_out, got_out):
+        assert len(b.token_ids) == 40
+        assert_same_up_to_top5_divergence(ref, got, prompt, a.token_ids, b.token_ids)

@@ -85,12 +85,12 @@ BAD_TEXT = [  # (path, body with the surrogate somewhere, param)
     (
         "/v1/completions",
         f'{{"model": "{MODEL}", "prompt": "hi", "stop": ["a", "{LONE_SURROGATE}"]}}',
-        "stop.1",
+        "stop[1]",
     ),
     (
         "/v1/chat/completions",
         f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "{LONE_SURROGATE}"}}]}}',
-        "messages.0.content",
+        "messages[0].content",
     ),
     ("/v1/completions", f'{{"model": "x{LONE_SURROGATE}", "prompt": "hi"}}', "model"),
 ]

@@ -1,8 +1,9 @@
 """`nanoserve check NN --impl X`: run a stage's graded tests; report passed, failed, skipped.
 
 Introduced in stage 00. The tests run in a pytest subprocess (a fresh import of the learner's
-code each time) with this module loaded as a plugin that records every test's outcome. A skip is
-never a pass: only a test that needs a GPU and skipped for lack of one is excused.
+code each time) with this module loaded as a plugin that records every test's outcome, and a line
+per finished test for the progress bar (on a terminal, unless --quiet). A skip is never a pass:
+only a test that needs a GPU and skipped for lack of one is excused.
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
+from tqdm import tqdm
+
 from nanoserve import grading
 from nanoserve.stages import get_stage
 
 REPORT_ENV_VAR = "NANOSERVE_CHECK_REPORT"  # where the plugin half of this module writes outcomes
+PROGRESS_ENV_VAR = "NANOSERVE_CHECK_PROGRESS"  # and "collected N", then a line per finished test
 
 
 class Outcome(Enum):
@@ -76,14 +80,19 @@ class GradedRun:
         )
 
 
-def run_graded(stage: int, impl: str = "ref", keyword: str | None = None) -> GradedRun:
-    """Run stage `stage`'s graded test file against `impl` in a pytest subprocess."""
+def run_graded(
+    stage: int, impl: str = "ref", keyword: str | None = None, progress: bool = False
+) -> GradedRun:
+    """Run stage `stage`'s graded test file against `impl` in a pytest subprocess (with a bar of
+    finished tests on stderr when `progress`)."""
     root = grading.repo_root()
     test_file = root / get_stage(stage).test_file
     if not test_file.is_file():
         raise FileNotFoundError(f"stage {stage} has no graded test file yet ({test_file})")
     impl = grading.normalize_impl(impl)
-    results, returncode, output = run_test_file(test_file, impl, keyword, cwd=root)
+    stem = get_stage(stage).stem
+    with tqdm(desc=f"stage {stem}", unit="test", leave=False, disable=not progress) as bar:
+        results, returncode, output = run_test_file(test_file, impl, keyword, cwd=root, bar=bar)
     return GradedRun(stage, impl, results, returncode, output)
 
 
@@ -93,22 +102,49 @@ def run_test_file(
     keyword: str | None = None,
     cwd: Path | None = None,
     extra_args: tuple[str, ...] = (),
+    bar: tqdm | None = None,
 ) -> tuple[tuple[TestResult, ...], int, str]:
     """Results, pytest's exit status and its output for one test file run in a subprocess.
 
     The implementation travels in the environment (the root conftest.py reads it), so this
     works for any test file, graded or not. extra_args go to pytest as they are (e.g. "-x").
+    `bar`, if given, counts the tests as they finish.
     """
     with tempfile.TemporaryDirectory(prefix="nanoserve-check-") as tmp:
-        report_path = Path(tmp) / "outcomes.jsonl"
+        report_path, progress_path = Path(tmp) / "outcomes.jsonl", Path(tmp) / "progress.txt"
         env = {**os.environ, grading.IMPL_ENV_VAR: impl, REPORT_ENV_VAR: str(report_path)}
+        env[PROGRESS_ENV_VAR] = str(progress_path)
         command = [sys.executable, "-m", "pytest", str(test_file), "-q"]
         command += ["-p", "no:cacheprovider", "-p", "nanoserve.check"]
         command += ["-k", keyword] if keyword else []
         command += list(extra_args)
-        proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
+        with subprocess.Popen(
+            command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        ) as proc:
+            stdout, stderr = _wait(proc, progress_path, bar)
         results = read_report(report_path)
-    return results, proc.returncode, proc.stdout + proc.stderr
+    return results, proc.returncode, stdout + stderr
+
+
+def _wait(proc: subprocess.Popen, progress_path: Path, bar: tqdm | None) -> tuple[str, str]:
+    """(stdout, stderr) of the finished pytest; meanwhile `bar` follows its progress file."""
+    while True:
+        try:
+            output = proc.communicate(timeout=0.2)
+        except subprocess.TimeoutExpired:  # no output is lost: the next call goes on reading
+            output = None
+        if bar is not None and progress_path.is_file():
+            total, done = _progress(progress_path.read_text().splitlines())
+            bar.total = total
+            bar.update(done - bar.n)
+        if output is not None:
+            return output
+
+
+def _progress(lines: list[str]) -> tuple[int | None, int]:
+    """(tests collected or None before collection ends, tests finished) from the progress file."""
+    collected = [int(line.split()[1]) for line in lines if line.startswith("collected ")]
+    return (collected[0] if collected else None), sum(line == "finished" for line in lines)
 
 
 def read_report(path: Path) -> tuple[TestResult, ...]:
@@ -148,15 +184,21 @@ def _listed(results: list[TestResult]) -> list[str]:
     return lines
 
 
-def run_check(stage: int, impl: str = "ref", keyword: str | None = None) -> int:
+def run_check(
+    stage: int, impl: str = "ref", keyword: str | None = None, quiet: bool = False
+) -> int:
     """Run, print the report, and return 0 only when every graded test passed (a skip fails).
 
     An --impl that cannot be loaded (no such file, an import error, a missing API name) is one
-    line on stderr and exit status 2, before any test runs.
+    line on stderr and exit status 2, before any test runs. Unless `quiet`, a line on stderr says
+    what runs, and on a terminal a bar counts the tests as they finish.
     """
     try:
         grading.load_impl(stage, grading.normalize_impl(impl))
-        run = run_graded(stage, impl, keyword)
+        if not quiet:
+            test_file = get_stage(stage).test_file
+            print(f"nanoserve check: running {test_file} against --impl {impl}", file=sys.stderr)
+        run = run_graded(stage, impl, keyword, progress=not quiet and sys.stderr.isatty())
     except (FileNotFoundError, ValueError, grading.ImplementationError) as err:
         print(f"nanoserve check: {err}", file=sys.stderr)
         return 2
@@ -189,6 +231,21 @@ def _results(records: list[dict]) -> tuple[TestResult, ...]:
 def pytest_runtest_logreport(report) -> None:
     if report.when == "call" or not report.passed:
         _write_record(report.nodeid, _outcome_of(report), _message_of(report))
+
+
+def pytest_collection_finish(session) -> None:
+    _write_progress(f"collected {len(session.items)}")
+
+
+def pytest_runtest_logfinish(nodeid, location) -> None:
+    _write_progress("finished")
+
+
+def _write_progress(line: str) -> None:
+    path = os.environ.get(PROGRESS_ENV_VAR)
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
 
 
 def pytest_collectreport(report) -> None:

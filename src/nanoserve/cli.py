@@ -158,7 +158,7 @@ def cmd_stages(args) -> int:
 def cmd_check(args) -> int:
     from nanoserve.check import run_check
 
-    return run_check(args.stage, args.impl)
+    return run_check(args.stage, args.impl, quiet=args.quiet)
 
 
 def cmd_serve(args) -> int:

@@ -143,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="grade an implementation of one stage")
     check.add_argument("stage", type=int)
     check.add_argument("--impl", default="ref", help="ref, starter, a .py path or a module")
+    check.add_argument(
+        "--quiet", action="store_true", help="only the report: no progress line or bar on stderr"
+    )
     add_serve_parser(sub)
     add_bench_parser(sub)
     return parser

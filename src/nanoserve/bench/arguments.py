@@ -42,6 +42,21 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         help="every prompt starts with the same N tokens (prefix caching, stage 07; default: none)",
     )
     p.add_argument(
+        "--workload",
+        choices=["random", "repeat"],
+        default="random",
+        help="random: nano-vLLM's random ids; repeat: chat requests to copy or edit a given text, "
+        "where stage 12's guesses can hit (needs the model's tokenizer; --max-input-len is "
+        "unused) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.6,
+        help="sampling temperature of every nanoserve request; 0 is greedy (default: "
+        "%(default)s, nano-vLLM's)",
+    )
+    p.add_argument(
         "--compare",
         choices=["hf", PEER],
         default=None,
@@ -103,9 +118,19 @@ def check_fits(config: EngineConfig, workload: Workload) -> None:
         )
 
 
-def bench_workload(args, vocab_size: int | None) -> Workload:
-    """The workload the options describe, ids folded into the vocabulary when it is known."""
-    workload = make_workload(args.num_seqs, args.max_input_len, args.max_output_len)
+def bench_workload(args, vocab_size: int | None, source: str | None = None) -> Workload:
+    """The workload the options describe, ids folded into the vocabulary when it is known;
+    --workload repeat tokenizes its texts with the tokenizer of source (the model)."""
+    if args.workload == "repeat":
+        from nanoserve.bench.repeat_workload import repeat_workload
+        from nanoserve.models.loader import load_tokenizer
+
+        tokenizer = load_tokenizer(source) if source is not None else None
+        if tokenizer is None:
+            raise ValueError("argument --workload: repeat needs a model with a tokenizer")
+        workload = repeat_workload(tokenizer, args.num_seqs, args.max_output_len)
+    else:
+        workload = make_workload(args.num_seqs, args.max_input_len, args.max_output_len)
     if args.first is not None:  # e.g. the first 64 of 256: docs/benchmarks.md's GPU run
         first = args.first
         workload = Workload(workload.prompt_token_ids[:first], workload.max_tokens[:first])
@@ -139,8 +164,16 @@ def warn_if_large_on_cpu(device, workload: Workload) -> None:
 def check_bench_flags(args) -> None:
     """The flags that say what to compare and how often, checked before anything loads."""
     check_peer_path(args.peer_path, args.compare)
+    if not (args.temperature >= 0 and args.temperature < float("inf")):
+        raise ValueError(f"argument --temperature: expected a number >= 0, got {args.temperature}")
+    if args.compare and args.temperature != 0.6:
+        raise ValueError(
+            f"argument --temperature: {args.compare} samples at 0.6, nano-vLLM's; compare at it"
+        )
     if args.serve or args.url:
         served = "--serve" if args.serve else "--url"
+        if args.workload != "random" or args.temperature != 0.6:
+            raise ValueError(f"argument --workload/--temperature: {served} runs nano-vLLM's")
         if args.compare:
             raise ValueError(f"argument --compare: {served} times nanoserve only")
         if args.repeat > 1:

@@ -55,6 +55,7 @@ def run_nanoserve(
     workload: Workload,
     parts=None,
     progress: bool = False,
+    temperature: float = 0.6,
 ) -> BenchResult:
     """Build the stage's engine on `model`, warm it up, and time the whole workload; `parts`
     (--impl's LearnerParts) puts the learner's pieces into it; progress: a bar on stderr."""
@@ -74,7 +75,7 @@ def run_nanoserve(
         config = dataclasses.replace(config, tensor_parallel_size=1)
         engine = build_engine(stage, config, spec, model.config.eos_token_ids, components, model)
     params = [
-        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m)
+        SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=m)
         for m in [WARMUP_MAX_TOKENS, *workload.max_tokens]
     ]
     drive(engine, [workload.prompt_token_ids[0][:WARMUP_PROMPT_LEN]], params[:1])  # warm-up
@@ -82,8 +83,10 @@ def run_nanoserve(
     prefill_before = engine.num_prefill_tokens
     start = timer(device)
     label = f"stage {stage}" if progress else None
+    speculation_before = getattr(engine, "speculation", None)
     seqs = drive(engine, workload.prompt_token_ids, params[1:], label)
     seconds = timer(device) - start
+    guesses = speculation_result(speculation_before, getattr(engine, "speculation", None))
     preemptions = engine.scheduler.num_preemptions - preemptions_before
     prefill_tokens = engine.num_prefill_tokens - prefill_before
     output_tokens = sum(seq.num_completion_tokens for seq in seqs)
@@ -94,4 +97,16 @@ def run_nanoserve(
     unfuse_small_ops(model)  # stage 08 fused the shared model's small ops: the next stage must not
     del engine, seqs
     release_memory(device)
-    return BenchResult(name, output_tokens, seconds, preemptions, prefill_tokens=prefill_tokens)
+    return BenchResult(name, output_tokens, seconds, preemptions, None, prefill_tokens, *guesses)
+
+
+def speculation_result(before, after) -> tuple[float | None, float | None]:
+    """Stage 12's acceptance rate and tokens per verified sequence-step over the timed run
+    (None, None for an engine that does not speculate)."""
+    if before is None or after is None:
+        return None, None
+    proposed = after.num_proposed - before.num_proposed
+    accepted = after.num_accepted - before.num_accepted
+    seqs = after.num_verified_seqs - before.num_verified_seqs
+    rate = accepted / proposed if proposed else 0.0
+    return rate, (accepted + seqs) / seqs if seqs else 0.0

@@ -59,7 +59,7 @@ def describe(args, model, config: EngineConfig, workload: Workload) -> list[str]
         f"{config.max_num_batched_tokens}, max_model_len {config.max_model_len}",
         f"workload: {len(lens)} requests, prompts {min(lens)}..{max(lens)} tokens "
         f"({sum(lens):,} in all), max_tokens {min(max_tokens)}..{max(max_tokens)} "
-        f"({sum(max_tokens):,} in all), temperature 0.6, ignore_eos{shared}",
+        f"({sum(max_tokens):,} in all), temperature {args.temperature}, ignore_eos{shared}",
     ]
 
 
@@ -78,7 +78,17 @@ def format_table(results: list[BenchResult]) -> list[str]:
             f"{r.tokens_per_s:>9.1f} {preempt:>8} {prefill:>11} "
             f"{ratio:>8.2f}x"
         )
-    return lines + [f"note: {r.note}" for r in results if r.note]
+    notes = [f"note: {r.note}" for r in results if r.note]
+    return (
+        lines
+        + notes
+        + [
+            f"note: {r.engine}: {r.acceptance_rate:.0%} of guesses kept, "
+            f"{r.tokens_per_step:.2f} tokens per verified sequence and step"
+            for r in results
+            if r.acceptance_rate is not None and r.tokens_per_step is not None
+        ]
+    )
 
 
 def engine_runners(args, flags: CheckedFlags, spec, model, stages, workload, stack) -> list[Runner]:
@@ -88,7 +98,9 @@ def engine_runners(args, flags: CheckedFlags, spec, model, stages, workload, sta
     if parts is not None:  # --impl: its pieces run in the engine of their one stage
         stages = [parts.engine_stage]
     runners: list[Runner] = [
-        functools.partial(run_nanoserve, spec, model, n, config, workload, parts, progress(args))
+        functools.partial(
+            run_nanoserve, spec, model, n, config, workload, parts, progress(args), args.temperature
+        )
         for n in stages
     ]
     if args.compare == PEER:
@@ -121,7 +133,7 @@ def run_bench(args) -> int:
         require_engine_parts(flags.parts, "bench")
     if args.compare == PEER:
         check_peer(flags, args.peer_path)
-    workload = bench_workload(args, flags.model_config.vocab_size)
+    workload = bench_workload(args, flags.model_config.vocab_size, flags.source)
     check_fits(flags.config, workload)
     warn_if_large_on_cpu(flags.device, workload)
     spec, model = load_bench_model(flags)

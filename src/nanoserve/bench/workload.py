@@ -42,6 +42,8 @@ class BenchResult(NamedTuple):
     preemptions: int | None  # None for engines that do not report it
     note: str | None = None
     prefill_tokens: int | None = None  # prompt tokens computed (fewer with a prefix cache)
+    acceptance_rate: float | None = None  # stage 12: guesses kept per guess
+    tokens_per_step: float | None = None  # stage 12: tokens a verified sequence gains per step
 
     @property
     def tokens_per_s(self) -> float:

@@ -1,7 +1,8 @@
 """Read a llama-architecture GGUF file into a Hugging Face-style config, state dict and tokenizer.
 
-Introduced in stage 00. `gguf.GGUFReader` only parses the container; every block format is decoded
-here. It deliberately does not keep weights quantized, decode K-quants, or load other architectures.
+Introduced in stage 00. The `gguf` package parses the container and decodes the blocks
+(`gguf.quants.dequantize`: Q4_1, Q8_0, the K-quants...; no lesson has you decode one by hand).
+It deliberately does not keep weights quantized, or load other architectures.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import enum
 import math
 import os
 import re
-from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -19,18 +19,6 @@ import torch
 if TYPE_CHECKING:  # both imported where used: only GGUF files need them (no `gguf` on some GPUs)
     import gguf
     import transformers
-
-
-class TensorType(enum.IntEnum):
-    """The tensor types decoded here, numbered as in the GGUF format (gguf's own enum compares
-    equal, member for member)."""
-
-    F32 = 0
-    F16 = 1
-    Q4_0 = 2
-    Q4_1 = 3
-    Q8_0 = 8
-    BF16 = 30
 
 
 class GGUFCheckpoint(NamedTuple):
@@ -42,84 +30,49 @@ class GGUFCheckpoint(NamedTuple):
 
 
 # ---- block formats -------------------------------------------------------------------------------
-# A tensor is a run of little-endian blocks; a block never spans two rows. Each decoder maps the
-# (n_blocks, bytes_per_block) uint8 array to (n_blocks, elements_per_block) values.
-
-
-def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
-    """The float16 at byte offset `at` of every block, as a float32 column (n_blocks, 1)."""
-    return blocks[:, at : at + 2].view(np.float16).astype(np.float32)
-
-
-def _nibbles(packed: np.ndarray) -> np.ndarray:
-    """(n, 16) bytes -> (n, 32) 4-bit codes: low nibbles are elements 0..15, high ones 16..31."""
-    return np.concatenate([packed & 0x0F, packed >> 4], axis=1)
-
-
-# F32 / F16: plain IEEE floats, 4 / 2 bytes per element.
-# BF16: the top half of a float32, so moving its 16 bits up gives that float32 exactly.
-#   +------+--------------+--------------+
-#   | sign | exponent (8) | mantissa (7) |  + 16 zero bits  ->  float32
-#   +------+--------------+--------------+
-def _bf16(blocks: np.ndarray) -> np.ndarray:
-    return (blocks.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-
-
+# A tensor is a run of little-endian blocks; a block never spans two rows. SmolLM2's file has two
+# block formats (docs/glossary.md, "GGUF"), and `gguf.quants` decodes those and the rest:
+#
+# Q4_1: 32 elements in 20 bytes.  x[i] = d * q[i] + m,  q: 4-bit code 0..15
+#   byte  0   1   2   3   4             19
+#       +-------+-------+--------+     +---------+
+#       |   d   |   m   | q16|q0 | ... | q31|q15 |      d, m: float16 scale and minimum
+#       +-------+-------+--------+     +---------+      each byte: high nibble | low nibble
 # Q8_0: 32 elements in 34 bytes.  x[i] = d * q[i],  q: int8
 #   byte  0   1   2    3         33
 #       +-------+----+----+     +-----+
 #       |   d   | q0 | q1 | ... | q31 |      d: float16 scale
 #       +-------+----+----+     +-----+
-def _q8_0(blocks: np.ndarray) -> np.ndarray:
-    return _f16(blocks, 0) * blocks[:, 2:].view(np.int8)
-
-
-# Q4_0: 32 elements in 18 bytes.  x[i] = d * (q[i] - 8),  q: 4-bit code 0..15
-#   byte  0   1   2        3             17
-#       +-------+--------+--------+     +---------+
-#       |   d   | q16|q0 | q17|q1 | ... | q31|q15 |      each byte: high nibble | low nibble
-#       +-------+--------+--------+     +---------+
-def _q4_0(blocks: np.ndarray) -> np.ndarray:
-    return _f16(blocks, 0) * (_nibbles(blocks[:, 2:]).astype(np.int8) - 8)
-
-
-# Q4_1: 32 elements in 20 bytes.  x[i] = d * q[i] + m,  q: 4-bit code 0..15
-#   byte  0   1   2   3   4             19
-#       +-------+-------+--------+     +---------+
-#       |   d   |   m   | q16|q0 | ... | q31|q15 |      d, m: float16 scale and minimum
-#       +-------+-------+--------+     +---------+
-def _q4_1(blocks: np.ndarray) -> np.ndarray:
-    values = _f16(blocks, 0) * _nibbles(blocks[:, 4:])
-    values += _f16(blocks, 2)
-    return values
-
-
-# type -> (elements per block, bytes per block, decoder)
-_FORMATS: dict[int, tuple[int, int, Callable[[np.ndarray], np.ndarray]]] = {
-    # F32 copies: never hand out the file's memmap
-    TensorType.F32: (1, 4, lambda b: b.view(np.float32).copy()),
-    TensorType.F16: (1, 2, lambda b: b.view(np.float16)),
-    TensorType.BF16: (1, 2, _bf16),
-    TensorType.Q8_0: (32, 34, _q8_0),
-    TensorType.Q4_0: (32, 18, _q4_0),
-    TensorType.Q4_1: (32, 20, _q4_1),
-}
 
 
 def dequantize(data: np.ndarray, tensor_type: enum.IntEnum, shape: tuple[int, ...]) -> np.ndarray:
     """Decode a GGUF tensor's raw data into a float32 array of numpy (row-major) `shape`."""
-    if tensor_type not in _FORMATS:  # an IntEnum hashes as its number: gguf's enum finds ours
-        names = ", ".join(TensorType(t).name for t in _FORMATS)
-        raise ValueError(f"tensor type {tensor_type.name} is not supported (supported: {names})")
-    block_elements, block_bytes, decode = _FORMATS[tensor_type]
+    import gguf  # lazy: only GGUF files need the package
+    from gguf.quants import dequantize as decode
+
+    qtype = gguf.GGMLQuantizationType(int(tensor_type))
+    block_elements, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     raw = np.asarray(data).reshape(-1).view(np.uint8)  # whatever dtype the reader gave, as bytes
     count = math.prod(shape)
     if count % block_elements or raw.size != count // block_elements * block_bytes:
         raise ValueError(
-            f"{raw.size} bytes of {tensor_type.name} do not hold a tensor of shape {tuple(shape)}"
+            f"{raw.size} bytes of {qtype.name} do not hold a tensor of shape {tuple(shape)}"
         )
-    values = decode(raw.reshape(-1, block_bytes))
+    try:
+        values = decode(raw.reshape(-1, block_bytes), qtype)
+    except NotImplementedError:
+        raise ValueError(
+            f"tensor type {qtype.name} is not supported (gguf {_version()} cannot dequantize it)"
+        ) from None
+    if np.may_share_memory(values, raw):  # F32 comes back as a view: never hand out the memmap
+        values = values.copy()
     return values.astype(np.float32, copy=False).reshape(shape)
+
+
+def _version() -> str:
+    from importlib.metadata import version
+
+    return version("gguf")
 
 
 def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -233,14 +186,18 @@ def _tokenizer(path: str | os.PathLike) -> transformers.PreTrainedTokenizerBase:
     return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
 
 
-def read_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
-    """Read a llama GGUF file: HF-style config, float32 HF-named state dict, and tokenizer."""
+def read_gguf(path: str | os.PathLike, progress: bool = False) -> GGUFCheckpoint:
+    """Read a llama GGUF file: HF-style config, float32 HF-named state dict, and tokenizer
+    (with a bar of dequantized tensors on stderr when `progress`)."""
+    from tqdm import tqdm
+
     reader = _open(path)
     meta = {name: field.contents() for name, field in reader.fields.items()}
     config = _config(meta, {t.name for t in reader.tensors}, path)
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     state_dict = {}
-    for tensor in reader.tensors:
+    bar = tqdm(reader.tensors, "dequantizing", unit="tensor", leave=False, disable=not progress)
+    for tensor in bar:
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
         try:
             name = _hf_name(tensor.name)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -20,6 +21,7 @@ from typing import TypeGuard
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from tqdm import tqdm
 
 from nanoserve.layers.tensor_parallel import ONE_RANK, TensorParallel
 from nanoserve.models.build import WeightMismatch, build_model
@@ -93,21 +95,28 @@ def load_tokenizer(model: str | Path):
 
 
 def load_model(
-    model: str | Path, device: torch.device, dtype: torch.dtype, tp: TensorParallel = ONE_RANK
+    model: str | Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    tp: TensorParallel = ONE_RANK,
+    progress: bool | None = None,
 ) -> CausalLM:
     """The model's weights from a known name, a GGUF file, a safetensors folder or a Hub id.
 
     With tensor parallelism each rank reads only its slices of the safetensors files. A preset
     name (`qwen3-0.6b`, ...) builds that shape with random weights, for benchmarks that need no
-    weight files.
+    weight files. `progress`: a bar of tensors loaded on stderr (None: when stderr is a terminal).
     """
     if is_preset(model):
         return random_model(model, device, dtype, tp=tp)
     folder = checkpoint_folder(model)
     config = read_model_config(folder)
+    show = (sys.stderr.isatty() if progress is None else progress) and tp.rank == 0
     try:
         with open_state_dict(folder) as state_dict:
-            return build_model(config, state_dict, device, dtype, tp)
+            items = state_dict.items()
+            tensors = tqdm(items, "loading weights", len(items), leave=False, disable=not show)
+            return build_model(config, tensors, device, dtype, tp)
     except WeightMismatch as err:  # name the shard that holds the bad tensor, when one does
         raise CheckpointError(f"{shard_holding(folder, err.name) or folder}: {err}") from None
 
@@ -191,7 +200,7 @@ def converted_gguf(path: Path) -> Path:
     if (folder / "config.json").is_file():
         return folder
     try:
-        checkpoint = read_gguf(path)
+        checkpoint = read_gguf(path, progress=sys.stderr.isatty())
     except ValueError as err:  # its messages already name the file
         raise CheckpointError(str(err)) from None
     folder.parent.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,8 @@ from nanoserve.speculative_sampler import Rule
 
 def build(config: EngineConfig, sizing: Sizing, parts: dict, backend: str) -> EngineParts:
     """Stage 11's parts; the learner's loop, lookup and rule (or ours) in the engine."""
-    built = overlap.build(config, sizing, {}, backend)
+    managers = {k: v for k, v in parts.items() if k == "PrefixBlockManager"}
+    built = overlap.build(config, sizing, managers, backend)  # stage 11's persistent batch
     if config.speculative_method == "draft" and sizing.tp_size > 1:
         raise ValueError(
             "speculative_method='draft' runs the draft on one rank; with "
@@ -40,5 +41,6 @@ def build(config: EngineConfig, sizing: Sizing, parts: dict, backend: str) -> En
 RECIPE = dataclasses.replace(
     overlap.RECIPE,
     build=build,
-    parts=("SpeculativeEngine", "propose_ngram", "num_accepted", "residual"),
+    # stage 07's manager stays replaceable (enable_prefix_caching=False puts stage 04's there)
+    parts=("SpeculativeEngine", "propose_ngram", "num_accepted", "residual", "PrefixBlockManager"),
 )

@@ -8,6 +8,7 @@ limits, each a 4xx naming the field as the client wrote it:
   keeps in a str and a tokenizer refuses (it was a 500 and a dropped connection);
 - stop strings: how many, how long (each is searched for at every token);
 - prompt characters, counted before the tokenizer runs (it is not free: ~1 s per MB);
+- prompt tokens + max_tokens within the model's context (checked once the prompt is tokenised);
 - room in the queue: past `max_queued_requests` waiting, a 503 with Retry-After.
 
 It does not tokenise, and it knows nothing of the engine but the number it is told is waiting.
@@ -18,11 +19,14 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from nanoserve.serving.limits import ServerLimits, limit_flag
+from nanoserve.serving.openai_fields import field_path
 from nanoserve.serving.protocol import APIError
 
+NOT_UNICODE = "the text is not valid Unicode (a lone UTF-16 surrogate, such as \\ud800)"
 
-def invalid_text_field(value, path: str = "") -> str | None:
-    """The path (`messages.0.content`) of the first string in `value` that is not valid Unicode
+
+def invalid_text_field(value, path: tuple = ()) -> str | None:
+    """The path (`messages[0].content`) of the first string in `value` that is not valid Unicode
     (a lone surrogate cannot be encoded as UTF-8), or None if every string is."""
     if isinstance(value, str):
         if value.isascii():
@@ -30,7 +34,7 @@ def invalid_text_field(value, path: str = "") -> str | None:
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            return path or "body"
+            return field_path(path) or "body"
         return None
     items: list[tuple[object, object]]
     if isinstance(value, BaseModel):  # its fields, then any it kept unvalidated (extra)
@@ -43,7 +47,7 @@ def invalid_text_field(value, path: str = "") -> str | None:
         return None
     for key, item in items:
         found = invalid_text_field(key, path) if isinstance(key, str) else None
-        found = found or invalid_text_field(item, f"{path}.{key}" if path else str(key))
+        found = found or invalid_text_field(item, (*path, key))
         if found:
             return found
     return None
@@ -66,7 +70,7 @@ def check_text(body: BaseModel) -> None:
     if field is not None:
         raise APIError(
             400,
-            f"{field}: the text is not valid Unicode (a lone UTF-16 surrogate, such as \\ud800)",
+            f"{field}: {NOT_UNICODE}",
             param=field,
         )
 
@@ -97,6 +101,20 @@ def check_prompt_chars(num_chars: int, param: str, limits: ServerLimits) -> None
             400,
             f"{param}: {num_chars} characters of text; this server tokenises at most "
             f"{limits.max_prompt_chars} ({limit_flag('max_prompt_chars')})",
+            param=param,
+        )
+
+
+def check_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int, param: str) -> None:
+    """400 naming `param` (max_tokens as the client spelt it) when a prompt that fits leaves
+    less room than max_tokens asks for (a prompt that does not fit is the engine's 400)."""
+    if num_prompt_tokens < max_model_len < num_prompt_tokens + max_tokens:
+        raise APIError(
+            400,
+            f"{param}: {num_prompt_tokens} prompt tokens + {param} {max_tokens} = "
+            f"{num_prompt_tokens + max_tokens} tokens exceed the model's context of "
+            f"{max_model_len} tokens (max_model_len); lower {param} to at most "
+            f"{max_model_len - num_prompt_tokens}, or shorten the prompt",
             param=param,
         )
 

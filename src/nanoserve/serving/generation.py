@@ -1,23 +1,21 @@
-"""One HTTP request's generation: from the engine loop's deltas to a response or an event stream.
+"""One choice's generation: from the engine loop's deltas to a whole choice or chunk choices.
 
 Introduced in stage 10. A `Generation` waits until the loop has accepted its request (or turns the
-engine's rejection into a 400), then either collects the whole completion or yields it as
-server-sent events in OpenAI's chunk format, ending with `data: [DONE]`. Whatever way it ends
-(finished, a stop string, the client gone), closing the loop's generator aborts what still runs.
-It counts what the client sees for /metrics: time to first token and the gaps between tokens.
+engine's rejection into a 400 naming the prompt), then either collects the whole choice or yields
+it piece by piece in OpenAI's chunk shape; completion.py puts a request's choices together.
+Whatever way it ends (finished, a stop string, the client gone), closing the loop's generator
+aborts what still runs. It counts what the client sees for /metrics: time to first token and the
+gaps between tokens.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import time
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import cast
 
 from nanoserve.sampling import SamplingParams
-from nanoserve.serving import protocol
+from nanoserve.serving import responses
 from nanoserve.serving.async_engine import AsyncEngine
 from nanoserve.serving.engine_thread import EngineError
 from nanoserve.serving.metrics import Metrics
@@ -25,35 +23,24 @@ from nanoserve.serving.protocol import APIError
 from nanoserve.serving.text import TextStream
 
 
-def sse(data: dict | str) -> str:
-    """One server-sent event."""
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
-    return f"data: {payload}\n\n"
-
-
 class Generation:
-    """One request through the engine loop; `chat` picks the chat shapes over completions'."""
+    """One choice of a request through the engine loop; `chat` picks chat's shapes."""
 
     def __init__(
         self,
         loop: AsyncEngine,
         metrics: Metrics,
-        model: str,
-        prompt_token_ids,
+        prompt_token_ids: list[int],
         params: SamplingParams,
         text: TextStream,
         chat: bool,
+        index: int = 0,
+        prompt_param: str = "prompt",
     ):
-        self.loop, self.metrics, self.model = loop, metrics, model
-        self.prompt_token_ids, self.params, self.text, self.chat = (
-            prompt_token_ids,
-            params,
-            text,
-            chat,
-        )
-        self.prompt_param = "messages" if chat else "prompt"  # the field a rejection names
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.kind = "chat.completion" if chat else "text_completion"
+        self.loop, self.metrics = loop, metrics
+        self.prompt_token_ids, self.params, self.text = prompt_token_ids, params, text
+        self.chat, self.index = chat, index  # index: the choice's, in the response
+        self.prompt_param = prompt_param  # the field a rejection names
         self.deltas: AsyncGenerator | None = None  # set by start()
         self.arrival = self.last_token_time = time.perf_counter()
         self.num_tokens = 0
@@ -66,11 +53,16 @@ class Generation:
         try:
             await anext(self.deltas)  # the empty "accepted" delta, one loop iteration away
         except ValueError as err:
-            self.metrics.requests["rejected"] += 1
-            raise APIError(400, str(err), param=self.prompt_param) from None
+            self.metrics.requests.labels(finish_reason="rejected").inc()
+            raise APIError(400, f"{self.prompt_param}: {err}", param=self.prompt_param) from None
         except EngineError as err:
             raise APIError(503, str(err), type="server_error") from None
-        self.metrics.num_prompt_tokens += len(self.prompt_token_ids)
+        self.metrics.prompt_tokens.inc(len(self.prompt_token_ids))
+
+    async def close(self) -> None:
+        """Abort the request if it runs (a batch-mate was rejected); nothing if it does not."""
+        if self.deltas is not None:
+            await self.deltas.aclose()
 
     async def pieces(self) -> AsyncIterator[tuple[str, list[int]]]:
         """(new text, new token ids) per delta until the request is done; sets finish_reason."""
@@ -90,55 +82,28 @@ class Generation:
                     break
         finally:
             await deltas.aclose()  # leaving early aborts the request in the engine
-            self.metrics.requests[self.finish_reason or "abort"] += 1
+            self.metrics.requests.labels(finish_reason=self.finish_reason or "abort").inc()
 
-    async def response(self) -> dict:
-        """The whole completion, as one response object."""
+    async def choice(self) -> dict:
+        """The whole choice, once the request is done."""
         token_ids = []
         async for _, new_ids in self.pieces():
             token_ids += new_ids
-        choice = protocol.chat_choice if self.chat else protocol.completion_choice
-        choices = [choice(self.text.text, token_ids, self.finish_reason)]
-        return {**protocol.envelope(self.id, self.model, self.kind, choices), "usage": self.usage()}
+        build = responses.chat_choice if self.chat else responses.completion_choice
+        return build(self.index, self.text.text, token_ids, self.finish_reason)
 
-    async def events(self, include_usage: bool) -> AsyncIterator[str]:
-        """The completion as server-sent events, one chunk per delta, then [DONE]."""
-        kind = f"{self.kind}.chunk" if self.chat else self.kind
-        try:
-            if self.chat:  # OpenAI's first chat chunk names the role
-                yield sse(
-                    protocol.envelope(
-                        self.id,
-                        self.model,
-                        kind,
-                        [
-                            protocol.chat_chunk_choice(
-                                {"role": "assistant", "content": ""}, [], None
-                            )
-                        ],
-                    )
-                )
-            async for piece, new_ids in self.pieces():
-                yield sse(
-                    protocol.envelope(
-                        self.id, self.model, kind, [self._chunk_choice(piece, new_ids)]
-                    )
-                )
-        except EngineError as err:  # the headers are sent: the error becomes an event
-            yield sse(APIError(500, str(err), type="server_error").body())
-        if include_usage:
-            yield sse({**protocol.envelope(self.id, self.model, kind, []), "usage": self.usage()})
-        yield sse("[DONE]")
-
-    def usage(self) -> dict:
-        """OpenAI's usage object for this request."""
-        return protocol.usage(len(self.prompt_token_ids), self.num_tokens)
-
-    def _chunk_choice(self, piece: str, token_ids: list[int]) -> dict:
+    async def chunk_choices(self) -> AsyncIterator[dict]:
+        """The choice as a stream chunk's choices: one per delta (chat's first names the role)."""
         if self.chat:
+            yield responses.chat_chunk_choice(
+                self.index, {"role": "assistant", "content": ""}, [], None
+            )
+        async for piece, token_ids in self.pieces():
+            if not self.chat:
+                yield responses.completion_choice(self.index, piece, token_ids, self.finish_reason)
+                continue
             delta = {"content": piece} if piece or self.finish_reason is None else {}
-            return protocol.chat_chunk_choice(delta, token_ids, self.finish_reason)
-        return protocol.completion_choice(piece, token_ids, self.finish_reason)
+            yield responses.chat_chunk_choice(self.index, delta, token_ids, self.finish_reason)
 
     def _count(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -148,26 +113,8 @@ class Generation:
             self.metrics.time_to_first_token.observe(now - self.arrival)
         else:  # a delta of k tokens (a reader that fell behind) counts k equal gaps
             gap = (now - self.last_token_time) / len(token_ids)
-            self.metrics.inter_token_latency.observe(gap, times=len(token_ids))
+            for _ in token_ids:
+                self.metrics.inter_token_latency.observe(gap)
         self.last_token_time = now
         self.num_tokens += len(token_ids)
-        self.metrics.num_generation_tokens += len(token_ids)
-
-
-async def until_disconnected(receive) -> None:
-    """Return when the client hangs up (the request body is already read)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def response_unless_disconnected(generation: Generation, receive) -> dict | None:
-    """The whole response, or None when the client hung up first (the request is aborted)."""
-    work = asyncio.ensure_future(generation.response())
-    watch = asyncio.ensure_future(until_disconnected(receive))
-    await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    watch.cancel()
-    if work.done():
-        return work.result()
-    work.cancel()  # CancelledError inside the loop's generator: it aborts the request
-    await asyncio.gather(work, return_exceptions=True)
-    return None
+        self.metrics.generation_tokens.inc(len(token_ids))

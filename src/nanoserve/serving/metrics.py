@@ -1,18 +1,32 @@
 """GET /metrics: the server's counters, latency histograms and the engine's state (stage 10).
 
-Introduced in stage 10. Prometheus's text format, written by hand (a dozen lines do it; no
-client library). Counters and histograms are updated on the event loop thread by the request
-handlers, which see what a client sees (time to first token, time between tokens); the engine's
-gauges come from `EngineStats`, the snapshot the loop thread publishes after every step.
+Introduced in stage 10. prometheus_client writes the text format; each server has a registry of
+its own (not the library's global one), so tests and several servers in one process never share a
+count. Counters and histograms are updated on the event loop thread by the request handlers, which
+see what a client sees (time to first token, time between tokens); the engine's numbers come from
+`EngineStats`, the snapshot the loop thread publishes after every step, read at each scrape.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
-from collections import Counter
+from collections.abc import Iterator
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from nanoserve.serving.request_stream import EngineStats
+
+# what GET /metrics answers with: Prometheus's text format, version 0.0.4
+CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # seconds; log-spaced from a fast GPU step to a slow CPU prefill
 LATENCY_BUCKETS = (
@@ -33,108 +47,89 @@ LATENCY_BUCKETS = (
 )
 
 
-class Histogram:
-    """Counts per upper bound (cumulative when written), their sum and their count."""
+class EngineCollector:
+    """The engine's gauges and counters, read from the last `EngineStats` at each scrape."""
 
-    def __init__(self, buckets=LATENCY_BUCKETS):
-        self.buckets = tuple(buckets)
-        self.counts = [0] * (len(self.buckets) + 1)  # the last one is +Inf
-        self.sum = 0.0
-        self.count = 0
+    def __init__(self) -> None:
+        self.stats = EngineStats()
 
-    def observe(self, value: float, times: int = 1) -> None:
-        """Count a value (`times` times over)."""
-        self.counts[bisect.bisect_left(self.buckets, value)] += times
-        self.sum += value * times
-        self.count += times
-
-    def lines(self, name: str) -> list[str]:
-        """The histogram's sample lines: name_bucket{le=...} (cumulative), name_sum, name_count."""
-        out, total = [], 0
-        for bound, n in zip((*self.buckets, math.inf), self.counts):
-            total += n
-            le = "+Inf" if bound == math.inf else repr(bound)
-            out.append(f'{name}_bucket{{le="{le}"}} {total}')
-        return [*out, f"{name}_sum {self.sum!r}", f"{name}_count {self.count}"]
+    def collect(self) -> Iterator[Metric]:
+        """What Prometheus calls at each scrape: one metric family per engine number."""
+        stats = self.stats
+        gauges = [
+            ("requests_running", "Requests in the engine's running queue.", stats.num_running),
+            ("requests_waiting", "Requests in the engine's waiting queue.", stats.num_waiting),
+            ("kv_blocks_used", "KV cache blocks held by sequences.", stats.num_blocks_used),
+            ("kv_blocks_free", "KV cache blocks free.", stats.num_blocks_free),
+            (
+                "prefix_cache_hit_rate",
+                "Prompt tokens found in the prefix cache / prompt tokens admitted.",
+                stats.prefix_cache_hit_rate,
+            ),
+        ]
+        for name, help, value in gauges:
+            if value is not None:  # a manager without blocks (stage 00) has no block gauges
+                yield GaugeMetricFamily(f"nanoserve_{name}", help, value=value)
+        yield CounterMetricFamily("nanoserve_engine_steps", "Engine steps run.", stats.num_steps)
+        yield CounterMetricFamily(
+            "nanoserve_preemptions", "Sequences preempted for memory.", stats.num_preemptions
+        )
 
 
 class Metrics:
-    """What the handlers count; `render` adds the engine's snapshot and writes it all."""
+    """One server's registry: what the handlers count, the engine's snapshot and the process's
+    own metrics (CPU, memory, open files, Python's version and garbage collector)."""
 
-    def __init__(self):
-        self.requests = Counter()  # finish_reason -> finished requests (abort, rejected, ...)
-        self.num_prompt_tokens = 0
-        self.num_generation_tokens = 0
-        self.time_to_first_token = Histogram()
-        self.inter_token_latency = Histogram()
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.engine = EngineCollector()
+        self.registry.register(self.engine)
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        # (name, help): prometheus_client adds _total to a counter's samples
+        self.requests = Counter(
+            "nanoserve_requests",
+            "Finished requests by finish reason.",
+            ["finish_reason"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "nanoserve_prompt_tokens",
+            "Prompt tokens of accepted requests.",
+            registry=self.registry,
+        )
+        self.generation_tokens = Counter(
+            "nanoserve_generation_tokens", "Tokens generated and sent.", registry=self.registry
+        )
+        self.time_to_first_token = Histogram(
+            "nanoserve_time_to_first_token_seconds",
+            "From a request's arrival to its first token.",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.inter_token_latency = Histogram(
+            "nanoserve_inter_token_latency_seconds",
+            "Between two tokens of one request.",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+
+    def num_requests(self, finish_reason: str) -> int:
+        """Finished requests with this finish reason so far (0 before the first)."""
+        value = self.registry.get_sample_value(
+            "nanoserve_requests_total", {"finish_reason": finish_reason}
+        )
+        return int(value or 0)
 
     def render(self, stats: EngineStats) -> str:
-        """Prometheus text exposition format, version 0.0.4."""
-        out: list[str] = []
+        """Prometheus text exposition format, version 0.0.4, with `stats` as the engine's state.
 
-        def metric(name: str, kind: str, help: str, samples: list[str]) -> None:
-            out.extend([f"# HELP nanoserve_{name} {help}", f"# TYPE nanoserve_{name} {kind}"])
-            out.extend(f"nanoserve_{s}" for s in samples)
-
-        def gauge(name: str, help: str, value) -> None:
-            if value is not None:
-                metric(name, "gauge", help, [f"{name} {value}"])
-
-        gauge("requests_running", "Requests in the engine's running queue.", stats.num_running)
-        gauge("requests_waiting", "Requests in the engine's waiting queue.", stats.num_waiting)
-        gauge("kv_blocks_used", "KV cache blocks held by sequences.", stats.num_blocks_used)
-        gauge("kv_blocks_free", "KV cache blocks free.", stats.num_blocks_free)
-        gauge(
-            "prefix_cache_hit_rate",
-            "Prompt tokens found in the prefix cache / prompt tokens admitted.",
-            stats.prefix_cache_hit_rate,
-        )
-        for note in stats.unreported:  # a comment: Prometheus reads past it, a person does not
+        A metric the engine should report and cannot (a learner's prefix cache without a
+        hit_rate) is a comment at the end: Prometheus reads past it, a person does not."""
+        self.engine.stats = stats
+        notes = []
+        for note in stats.unreported:
             name, why = note.split(": ", 1)
-            out.append(f"# nanoserve_{name} is not reported: {why}")
-        metric(
-            "engine_steps_total",
-            "counter",
-            "Engine steps run.",
-            [f"engine_steps_total {stats.num_steps}"],
-        )
-        metric(
-            "preemptions_total",
-            "counter",
-            "Sequences preempted for memory.",
-            [f"preemptions_total {stats.num_preemptions}"],
-        )
-        metric(
-            "requests_total",
-            "counter",
-            "Finished requests by finish reason.",
-            [
-                f'requests_total{{finish_reason="{r}"}} {n}'
-                for r, n in sorted(self.requests.items())
-            ],
-        )
-        metric(
-            "prompt_tokens_total",
-            "counter",
-            "Prompt tokens of accepted requests.",
-            [f"prompt_tokens_total {self.num_prompt_tokens}"],
-        )
-        metric(
-            "generation_tokens_total",
-            "counter",
-            "Tokens generated and sent.",
-            [f"generation_tokens_total {self.num_generation_tokens}"],
-        )
-        metric(
-            "time_to_first_token_seconds",
-            "histogram",
-            "From a request's arrival to its first token.",
-            self.time_to_first_token.lines("time_to_first_token_seconds"),
-        )
-        metric(
-            "inter_token_latency_seconds",
-            "histogram",
-            "Between two tokens of one request.",
-            self.inter_token_latency.lines("inter_token_latency_seconds"),
-        )
-        return "\n".join(out) + "\n"
+            notes.append(f"# nanoserve_{name} is not reported: {why}\n")
+        return generate_latest(self.registry).decode() + "".join(notes)

@@ -5,7 +5,8 @@ Introduced in stage 10. `create_app(llm, name)` builds the app; its lifespan sta
 /v1/chat/completions (whole or `stream: true`), GET /health, GET /metrics. Every error is
 OpenAI's error object with a 4xx status that names the field: a bad request never reaches the
 engine's step, and never takes another request down with it. What a request passes on its way in
-(key, sockets, body) is connections.py's, what it must pass before it is queued admission.py's;
+(key, sockets, body) is connections.py's, what it must pass before it is queued admission.py's
+and served_model.py's;
 `run_server` stops like a production server: every stream ends with "abort" and [DONE], at once.
 """
 
@@ -17,92 +18,20 @@ from contextlib import asynccontextmanager
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 
 from nanoserve.llm import LLM
 from nanoserve.serving import admission
 from nanoserve.serving.async_engine import AsyncEngine
 from nanoserve.serving.connections import APIKeyGuard, BodyReader, guarded_protocol
-from nanoserve.serving.generation import Generation, response_unless_disconnected
 from nanoserve.serving.limits import ServerLimits
-from nanoserve.serving.metrics import Metrics
+from nanoserve.serving.metrics import CONTENT_TYPE
+from nanoserve.serving.openai_fields import client_param
 from nanoserve.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from nanoserve.serving.text import TextStream
+from nanoserve.serving.served_model import ServedModel
 
-INLINE_TOKENIZE_CHARS = 4096  # longer texts are tokenised on a worker thread, off the event loop
 SHUTDOWN_GRACE_S = 2  # after every generation is aborted: time for the last bytes to go out
-
-
-class ServedModel:
-    """The LLM behind the routes: its name, its tokenizer and its engine loop."""
-
-    def __init__(self, llm: LLM, name: str, loop: AsyncEngine, limits: ServerLimits):
-        self.llm, self.name, self.loop, self.limits = llm, name, loop, limits
-        self.metrics = Metrics()
-        self.num_starting = 0  # requests sent to the engine loop and not yet accepted by it
-
-    def check_model(self, model: str) -> None:
-        """404 unless the request names the model this server serves."""
-        if model != self.name:
-            raise APIError(
-                404,
-                f"model {model!r} does not exist; this server serves {self.name!r}",
-                param="model",
-                code="model_not_found",
-            )
-
-    async def encode(self, text: str, param: str) -> list[int]:
-        """Token ids of a prompt text, as `LLM.generate` makes them (no special tokens added);
-        a long text is tokenised on a worker thread, so the event loop serves on meanwhile."""
-        tokenizer = self.llm.tokenizer
-        if tokenizer is None:
-            raise APIError(
-                400, "this model has no tokenizer; send the prompt as token ids", param=param
-            )
-        return await off_loop_if_long(len(text), tokenizer.encode, text, add_special_tokens=False)
-
-    async def chat_prompt(self, body: ChatCompletionRequest) -> str:
-        """The conversation through the model's chat template (off the loop when it is long)."""
-        num_chars = admission.num_chars(body.conversation)
-        admission.check_prompt_chars(num_chars, "messages", self.limits)
-        try:
-            return await off_loop_if_long(
-                num_chars, self.llm.apply_chat_template, body.conversation
-            )
-        except Exception as err:  # no tokenizer, no template, or a template that refuses
-            raise APIError(400, f"the chat template failed: {err}", param="messages") from None
-
-    def check(self, body) -> None:
-        """Every check a parsed request passes before its prompt is tokenised (the cheap ones,
-        and room in the queue, so a busy server does not tokenise what it will refuse)."""
-        admission.check_text(body)
-        self.check_model(body.model)
-        admission.check_stops(body.stop_strings, self.limits)
-        admission.check_queue(self.loop.stats.num_waiting + self.num_starting, self.limits)
-
-    def generation(self, body, prompt_token_ids: list[int], default_max_tokens: int) -> Generation:
-        """A Generation of this request, its fields checked and mapped to SamplingParams."""
-        self.check_model(body.model)
-        params = body.sampling_params(default_max_tokens)
-        text = TextStream(self.llm.tokenizer, body.stop_strings)
-        chat = isinstance(body, ChatCompletionRequest)
-        return Generation(self.loop, self.metrics, self.name, prompt_token_ids, params, text, chat)
-
-    async def answer(self, generation: Generation, body, request: Request) -> Response:
-        """Start the generation (a rejection is a 400), then stream it or send it whole."""
-        self.num_starting += 1  # counted as queued until the loop has queued it
-        try:
-            await generation.start()
-        finally:
-            self.num_starting -= 1
-        if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(
-                generation.events(include_usage), media_type="text/event-stream"
-            )
-        result = await response_unless_disconnected(generation, request.receive)
-        return JSONResponse(result) if result is not None else Response(status_code=499)
 
 
 def create_app(
@@ -141,9 +70,7 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return PlainTextResponse(
-            served.metrics.render(served.loop.stats), media_type="text/plain; version=0.0.4"
-        )
+        return PlainTextResponse(served.metrics.render(served.loop.stats), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -158,21 +85,20 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        served.check(body)
-        if isinstance(body.prompt, str):
-            admission.check_prompt_chars(len(body.prompt), "prompt", limits)
-            ids = await served.encode(body.prompt, "prompt")
-        else:
-            ids = body.prompt
-        return await served.answer(served.generation(body, ids, 16), body, request)
+        served.check(body, "/v1/completions", len(body.prompts) * body.n)
+        prompts = await served.prompt_ids(body)
+        completion = served.completion(body, prompts, body.max_tokens, "max_tokens")
+        return await served.answer(completion, body, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        served.check(body)
+        served.check(body, "/v1/chat/completions", body.n)
         ids = await served.encode(await served.chat_prompt(body), "messages")
-        room = max(1, llm.config.max_model_len - len(ids))  # OpenAI's default: to the context end
-        body.max_tokens = body.max_completion_tokens or body.max_tokens
-        return await served.answer(served.generation(body, ids, room), body, request)
+        max_tokens, param = body.max_completion_tokens, "max_completion_tokens"
+        if max_tokens is None:  # None: OpenAI's default, to the context's end
+            max_tokens, param = body.max_tokens, "max_tokens"
+        completion = served.completion(body, [ids], max_tokens, param)
+        return await served.answer(completion, body, request)
 
     return app
 
@@ -186,12 +112,17 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, err: RequestValidationError) -> Response:
-        first = err.errors()[0]
-        if first["type"] == "json_invalid":
-            return api_response(400, f"the body is not valid JSON: {first['msg']}")
-        path = [str(part) for part in first["loc"] if part != "body"]
-        param = ".".join(path) or None
-        return api_response(400, f"{param or 'body'}: {first['msg']}", param)
+        errors = err.errors()
+        if errors[0]["type"] == "json_invalid":
+            return api_response(400, f"the body is not valid JSON: {errors[0]['msg']}")
+        params = [client_param(e["loc"][1:], err.body, e["type"]) for e in errors]
+        # a union tried several branches: the error deepest in the body is the one meant
+        _, index = max((len(p or ""), -i) for i, p in enumerate(params))
+        param, error = params[-index], errors[-index]
+        message = error["msg"].removeprefix("Value error, ")
+        if error["type"] == "string_unicode":  # a lone surrogate, where a str is checked
+            message = admission.NOT_UNICODE
+        return api_response(400, f"{param or 'body'}: {message}", param)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, err: HTTPException) -> Response:
@@ -209,14 +140,6 @@ def api_response(
 ) -> Response:
     """An APIError as a JSON response."""
     return JSONResponse(APIError(status, message, param, type).body(), status)
-
-
-async def off_loop_if_long(num_chars: int, function, *args, **kwargs):
-    """function(*args, **kwargs), on a worker thread when its text is long (the tokenizer and
-    the chat template release the event loop then; a short text is not worth the hop)."""
-    if num_chars <= INLINE_TOKENIZE_CHARS:
-        return function(*args, **kwargs)
-    return await asyncio.to_thread(function, *args, **kwargs)
 
 
 class Server(uvicorn.Server):

@@ -23,9 +23,17 @@ INCOMPLETE = "\ufffd"  # what a decoder prints for the first bytes of a characte
 class TextStream:
     """Token ids in, text pieces out, for one request; `stopped` once a stop string appeared."""
 
-    def __init__(self, tokenizer, stop: Iterable[str] = ()):
+    def __init__(
+        self,
+        tokenizer,
+        stop: Iterable[str] = (),
+        include_stop: bool = False,
+        skip_special_tokens: bool = True,
+    ):
         self.tokenizer = tokenizer  # None for a model without one: the text stays empty
         self.stop = list(stop)
+        self.include_stop = include_stop  # the text ends with the stop string, not before it
+        self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
         self.text = ""  # decoded so far, cut at a stop string once one is found
         self.num_sent = 0  # characters of text already returned
@@ -56,8 +64,8 @@ class TextStream:
         return self._send(len(self.text))
 
     def decode(self, token_ids: list[int]) -> str:
-        """Text of token ids, as `LLM` decodes a completion (special tokens skipped)."""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        """Text of token ids, as `LLM` decodes a completion (special tokens skipped, by default)."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
 
     def _decode_new(self) -> str:
         before = self.decode(self.token_ids[self._prefix_offset : self._read_offset])
@@ -72,10 +80,11 @@ class TextStream:
         if not self.stop:
             return False
         start = max(0, self.num_sent - max(map(len, self.stop)))  # a stop may end in new text
-        found = [i for i in (self.text.find(s, start) for s in self.stop) if i != -1]
+        found = [(i, len(s)) for s in self.stop if (i := self.text.find(s, start)) != -1]
         if not found:
             return False
-        self.text, self.stopped = self.text[: min(found)], True
+        i, length = min(found)
+        self.text, self.stopped = self.text[: i + length * self.include_stop], True
         return True
 
     def _send(self, end: int) -> str:

@@ -1,0 +1,217 @@
+"""Stage 12 on a CPU: whatever the proposer guesses, greedy tokens are stage 11's; the verdict
+draws from the target's distribution (chi-square); rollback leaves nothing behind under chunked
+prefill, prefix caching, preemption and abort; the device batch mirrors the managers' tables.
+Float64 tiny checkpoints, as the rest of the equivalence chain.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.device_sampler import SamplingTensors
+from nanoserve.speculative_sampler import verify
+from nanoserve.testing import engine_requests
+
+from .conftest import TINY_FAMILIES
+from .test_chunked_prefill import ENGINE_MAX_MODEL_LEN
+from .test_device_sampler import chi_square_p_value
+from .test_equivalence import greedy_tokens, random_prompts
+from .test_tensor_parallel import CPU, GREEDY, nothing_left_behind, tiny_sharded_model
+
+__all__ = ["nothing_left_behind"]  # the tensor-parallel test below leaves no process behind
+SMALL = dict(device="cpu", dtype="float64", max_model_len=128, max_num_seqs=6, block_size=4)
+
+
+class Scripted:
+    """A proposer lookup that knows each request's true continuation (stage 11's tokens) and
+    guesses it right for `right` tokens, then wrong, so every length of kept run happens."""
+
+    def __init__(self, prompts, continuations, vocab_size: int, right=None, seed: int = 0):
+        self.futures = {tuple(p): c for p, c in zip(prompts, continuations)}
+        self.vocab_size, self.right, self.rng = vocab_size, right, random.Random(seed)
+
+    def __call__(self, token_ids, k, max_n, min_n):
+        for prompt, future in self.futures.items():
+            if tuple(token_ids[: len(prompt)]) == prompt:
+                done = len(token_ids) - len(prompt)
+                truth = future[done : done + k]
+                right = self.rng.randrange(k + 1) if self.right is None else self.right
+                return truth[:right] + [(t + 1) % self.vocab_size for t in truth[right:]]
+        raise AssertionError(f"a sequence no prompt starts: {token_ids[:8]}")
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+@pytest.mark.parametrize("right", [0, 4, None], ids=["always-wrong", "always-right", "mixed"])
+def test_stage12_gives_stage11s_greedy_tokens_whatever_the_guesses(tiny_checkpoints, family, right):
+    folder, _ = tiny_checkpoints[family]
+    prompts = random_prompts(256)
+    want = greedy_tokens(LLM(str(folder), stage=11, **SMALL), prompts, 30)
+    lookup = Scripted(prompts, want, 256, right)
+    llm = LLM(str(folder), stage=12, components={"propose_ngram": lookup}, **SMALL)
+    assert greedy_tokens(llm, prompts, 30) == want
+    stats = llm.engine.speculation
+    assert stats.num_proposed > 0
+    if right == 0:
+        assert stats.num_accepted == 0
+    if right == 4:  # every guess kept: about five tokens per verify step
+        assert stats.num_accepted == stats.num_proposed and stats.tokens_per_step > 3
+    assert not llm.engine.runner.state.rows and llm.engine.manager.num_free_blocks == (
+        llm.engine.manager.num_blocks
+    )
+
+
+def test_the_ngram_and_draft_proposers_give_stage11s_greedy_tokens(tiny_checkpoints):
+    folder, _ = tiny_checkpoints["llama"]
+    prompts = [[5, 6, 7, 8] * 6, list(range(10, 40)), [3, 9] * 11]
+    want = greedy_tokens(LLM(str(folder), stage=11, **SMALL), prompts, 24)
+    ngram = LLM(str(folder), stage=12, **SMALL)
+    assert greedy_tokens(ngram, prompts, 24) == want and ngram.engine.speculation.num_proposed
+    draft = LLM(str(folder), stage=12, speculative_method="draft", draft_num_layers=1, **SMALL)
+    assert greedy_tokens(draft, prompts, 24) == want
+    assert draft.engine.speculation.num_proposed > 0
+
+
+def test_rollback_with_chunks_a_prefix_cache_and_preemption_leaves_nothing_behind(
+    tiny_checkpoints,
+):
+    folder, _ = tiny_checkpoints["llama"]
+    system = list(range(40, 64))
+    prompts = [[*system, 1], [*system, 2, 3], system, list(range(1, 40)), [*system, 9]]
+    params = SamplingParams(max_tokens=14, ignore_eos=True)
+    options = dict(
+        device="cpu",
+        dtype="float64",
+        block_size=4,
+        max_model_len=ENGINE_MAX_MODEL_LEN,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=12,
+        num_kv_blocks=30,
+        enable_prefix_caching=True,
+    )
+    want = [o.token_ids for o in LLM(str(folder), stage=11, **options).generate(prompts, params)]
+    lookup = Scripted(prompts, want, 256)
+    llm = LLM(str(folder), stage=12, components={"propose_ngram": lookup}, **options)
+    checks = []
+
+    def check(record):
+        engine = llm.engine
+        engine.manager.check_invariants()
+        state = engine.runner.state
+        for seq in engine.scheduler.running:  # the device copy of every sent table entry
+            row = state.rows.get(seq.seq_id)
+            if row is not None and state.num_sent[row]:
+                sent = state.block_tables[row, : state.num_sent[row]].tolist()
+                checks.append(sent == seq.block_table[: state.num_sent[row]])
+        for block_id in engine.manager.cached:  # no hashed block holds a guess
+            holders = [s for s in engine.scheduler.running if block_id in s.block_table]
+            for seq in holders:
+                i = seq.block_table.index(block_id)
+                checks.append((i + 1) * 4 <= seq.num_cached_tokens)
+
+    llm.engine.on_step = check
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+    manager = llm.engine.manager
+    assert llm.engine.scheduler.num_preemptions > 0 and manager.num_hit_tokens > 0
+    assert llm.engine.speculation.num_accepted > 0
+    assert manager.num_free_blocks == 30 and checks and all(checks)
+
+
+def test_a_random_workload_with_aborts_and_a_small_pool_leaks_nothing(tiny_checkpoints):
+    folder, _ = tiny_checkpoints["qwen3"]
+    rng = random.Random(7)
+    prompts = [[rng.randrange(256) for _ in range(rng.randrange(1, 30))] for _ in range(12)]
+    params = [SamplingParams(max_tokens=rng.randrange(1, 20), ignore_eos=True) for _ in prompts]
+    options = {**SMALL, "num_kv_blocks": 24, "max_num_seqs": 8}
+    lookup = Scripted(prompts, [[rng.randrange(256) for _ in range(40)] for _ in prompts], 256)
+    llm = LLM(str(folder), stage=12, components={"propose_ngram": lookup}, **options)
+    engine = llm.engine
+    seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        engine.manager.check_invariants()
+        steps += 1
+        if steps in (3, 6):  # abort a running request between steps
+            running = list(engine.scheduler.running)
+            if running:
+                engine.abort([running[-1]])
+    assert all(s.is_finished for s in seqs) and all(s.num_draft_tokens == 0 for s in seqs)
+    for seq, sp in zip(seqs, params):
+        if seq.finish_reason != "abort":
+            assert seq.num_completion_tokens == sp.max_tokens, seq.seq_id
+    assert engine.manager.num_free_blocks == 24 and not engine.runner.state.rows
+
+
+def verdicts(logits, guess, draft_probs, n: int, temperature=1.0, top_k=0, top_p=1.0):
+    """n independent verify steps of one guess over the same logits (V,) and what follows."""
+    v = logits.shape[-1]
+    k = 1
+    tensors = SamplingTensors(
+        temperature=torch.full((n,), temperature),
+        top_k=torch.full((n,), top_k, dtype=torch.int64),
+        top_p=torch.full((n,), top_p),
+        seeds=torch.arange(n, dtype=torch.int64) * 7919,
+        positions=torch.full((n,), 11, dtype=torch.int64),
+        filters=top_k > 0 or top_p < 1,
+    )
+    rows = logits.expand(n * (k + 1), v)  # both rows of every step score the same logits
+    cu = torch.arange(0, n * (k + 1) + 1, k + 1, dtype=torch.int32)
+    guesses = guess.view(n, k)
+    q = None if draft_probs is None else draft_probs.expand(n, k, v)
+    return verify(rows, cu, guesses, torch.ones(n, dtype=torch.int64), q, tensors)
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+@pytest.mark.parametrize("top_k", [0, 4])
+def test_the_first_token_of_a_verify_step_follows_the_targets_distribution(proposer, top_k):
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(8, generator=gen) * 1.5
+    n = 40000
+    if proposer == "ngram":  # the same sure guess every time: token 2
+        guess, q = torch.full((n,), 2, dtype=torch.int64), None
+        q_row = None
+    else:  # guesses drawn from a draft distribution q
+        q_row = torch.softmax(torch.randn(8, generator=gen), -1)
+        guess = torch.multinomial(q_row, n, replacement=True, generator=gen)
+        q = q_row[None, None, :]
+    verdict = verdicts(logits, guess, q, n, top_k=top_k)
+    first = torch.where(verdict.num_accepted > 0, guess, verdict.token_ids)
+    p = torch.softmax(logits, -1)
+    if top_k:
+        p = torch.where(p >= p.topk(top_k).values[-1], p, 0.0)
+    counts = torch.bincount(first, minlength=8).double()
+    assert chi_square_p_value(counts, p.double()) > 1e-4, (counts.tolist(), p.tolist())
+
+
+def test_greedy_verdicts_keep_the_argmax_run_and_draw_the_argmax():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0], [0.0, 0.0, 5.0], [1.0, 0.0, 0.0]])
+    tensors = SamplingTensors(
+        temperature=torch.zeros(1),
+        top_k=torch.zeros(1, dtype=torch.int64),
+        top_p=torch.ones(1),
+        seeds=torch.zeros(1, dtype=torch.int64),
+        positions=torch.tensor([5]),
+        filters=False,
+    )
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    guesses = torch.tensor([[1, 0, 1]])  # right, right, wrong (argmax there is 2)
+    verdict = verify(logits, cu, guesses, torch.tensor([3]), None, tensors)
+    assert verdict.num_accepted.tolist() == [2] and verdict.token_ids.tolist() == [2]
+    verdict = verify(logits, cu, guesses, torch.tensor([1]), None, tensors)  # one guess only
+    assert verdict.num_accepted.tolist() == [1] and verdict.token_ids.tolist() == [0]
+
+
+def test_two_ranks_verify_and_give_one_ranks_tokens(tmp_path):
+    model = tiny_sharded_model(tmp_path, "qwen3", 300, 4, 2)
+    prompts, _ = engine_requests(lengths=(5, 17, 33, 9), vocab_size=300)
+    prompts = [p * 2 for p in prompts]  # repeats give the n-gram lookup something to find
+    with LLM(model, stage=11, **CPU) as llm:
+        want = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    with LLM(model, stage=12, tensor_parallel_size=2, **CPU) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        assert llm.engine.speculation.num_proposed > 0
+    assert got == want
