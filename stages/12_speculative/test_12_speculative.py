@@ -172,8 +172,8 @@ def test_task_2_guess_accept_and_resample_reproduce_the_targets_distribution(imp
     assert counts[4] == 0, f"token 4 has p = 0 but came out {int(counts[4])} times"
     p_value = chi_square_p_value(counts, p)
     assert p_value > 1e-6, (
-        f"{draft}: the tokens out of guess / accept / resample {counts.tolist()} do not follow "
-        f"the target's p {[round(x, 3) for x in (p * counts.sum()).tolist()]} (chi-square p "
+        f"{draft}: token counts out of guess / accept / resample {counts.tolist()}; the "
+        f"target's p expects {[round(x) for x in (p * counts.sum()).tolist()]} (chi-square p "
         f"{p_value:.1e})"
     )
 
