@@ -15,10 +15,12 @@ from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.block_table import BlockPosition, BlockTable
 from nanoserve.engine.cuda_graphs import bucket_for, fill_static, graph_buckets
 from nanoserve.engine.input_packer import pad_decode, prepare_decode, prepare_prefill
+from nanoserve.engine.ngram_proposer import propose_ngram
 from nanoserve.engine.overlap_engine import OverlapEngine, OverlapScheduler
 from nanoserve.engine.persistent_batch import PersistentBatch
 from nanoserve.engine.prefix_block_manager import PrefixBlockManager, chain_hash
 from nanoserve.engine.slab_manager import SlabManager
+from nanoserve.engine.speculative_engine import SpeculativeEngine, SpeculativeScheduler
 from nanoserve.kernels.attention import attend
 from nanoserve.kernels.slab_attention import load_slab, store_slab
 from nanoserve.kernels.torch_paged import gather_kv, store_kvcache
@@ -27,6 +29,7 @@ from nanoserve.layers.norm import rms_norm
 from nanoserve.layers.rotary import apply_rotary, rope_cos_sin, rope_inv_freq, rotate_half
 from nanoserve.layers.shards import padded_shard_range, shard_range
 from nanoserve.models.decoder import swiglu
+from nanoserve.rejection import num_accepted, residual
 from nanoserve.sampling import filter_probs, sample_one
 from nanoserve.serving.async_engine import AsyncEngine
 
@@ -74,6 +77,13 @@ _API: dict[int, dict[str, Any]] = {
         "PersistentBatch": PersistentBatch,
         "OverlapScheduler": OverlapScheduler,
         "OverlapEngine": OverlapEngine,
+    },
+    12: {
+        "propose_ngram": propose_ngram,
+        "num_accepted": num_accepted,
+        "residual": residual,
+        "SpeculativeScheduler": SpeculativeScheduler,
+        "SpeculativeEngine": SpeculativeEngine,
     },
 }
 

@@ -156,6 +156,7 @@ def all_mutants() -> list[Mutant]:
         stage_09,
         stage_10,
         stage_11,
+        stage_12,
     )
 
     stages = (
@@ -170,6 +171,7 @@ def all_mutants() -> list[Mutant]:
         stage_09,
         stage_10,
         stage_11,
+        stage_12,
     )
     return [m for stage in stages for m in stage.MUTANTS]
 
