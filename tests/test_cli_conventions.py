@@ -148,7 +148,7 @@ def error_of(argv: list[str], capsys) -> str:
         ["--dtype", "float8"],
         ["--device", "gpu"],
         ["--model", "no-such-model"],
-        ["--stage", "12"],
+        ["--stage", "13"],
         ["--max-num-seqs", "x"],
     ],
 )

@@ -317,7 +317,7 @@ def check_file_of(stage) -> str | None:
     return found.group(1) if found else None
 
 
-@pytest.mark.parametrize("number", range(12))
+@pytest.mark.parametrize("number", range(13))
 def test_a_lesson_ends_by_running_your_file_exactly_where_the_engine_can(number):
     from nanoserve.learner_parts import learner_parts
     from nanoserve.stages import get_stage
