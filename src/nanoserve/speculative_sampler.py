@@ -8,8 +8,11 @@ position L_b + i, where L_b is the sequence's length before its proposals. Rando
 tokens whatever its batch:
 
     accept proposal i   u = hash(seed ^ ACCEPT, L + i)        kept when u * q <= p
-    draw after a        Gumbel-max over log(residual or p),   key hash(seed, L + a): the key
-    run of a kept       stage 11 would use for that position
+    draw after a run    key hash(seed, L + a), the key stage 11 uses for that position:
+    of a kept           n-gram (q one-hot): stage 11's draw with the rejected guess masked
+                        draft: Gumbel-max over log(residual), or log(p) after a full run
+
+p(d) comes from a logsumexp per row and one gather: no (B, K+1, V) softmax is built.
 
 Greedy batches (every row temperature 0) take a shortcut with the same result: argmax only.
 """
@@ -26,6 +29,7 @@ from nanoserve.device_sampler import (
     filter_mask,
     gumbel_argmax,
     row_keys,
+    sample,
     uniforms,
 )
 from nanoserve.rejection import num_accepted, residual
@@ -53,7 +57,7 @@ class Verdict(NamedTuple):
 
 def probabilities(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
     """(N, V) float32: the distribution each row samples from (temperature, top-k, top-p);
-    a greedy row (temperature 0) is one-hot at its argmax."""
+    a greedy row (temperature 0) is one-hot at its argmax. The draft proposer's q."""
     greedy = tensors.temperature == 0
     scaled = logits.float() / torch.where(greedy, 1.0, tensors.temperature)[:, None]
     if tensors.filters:
@@ -98,31 +102,43 @@ def verify(
     if greedy and draft_probs is None:
         argmax = picked.argmax(dim=-1).view(-1, k + 1)
         return _verify_greedy(argmax, draft_ids, num_draft, rule.num_accepted)
-    per_row = tensors._replace(
-        temperature=tensors.temperature.repeat_interleave(k + 1),
-        top_k=tensors.top_k.repeat_interleave(k + 1),
-        top_p=tensors.top_p.repeat_interleave(k + 1),
-    )
-    p = probabilities(picked, per_row).view(len(draft_ids), k + 1, -1)  # (B, K+1, V)
+    b, greedy_rows = len(draft_ids), tensors.temperature == 0
+    temperature = torch.where(greedy_rows, 1.0, tensors.temperature).repeat_interleave(k + 1)
+    scaled = picked.float() / temperature[:, None]  # (B * (K + 1), V)
+    if tensors.filters:  # each row's top-k / top-p cut, before anything is judged
+        keep = filter_mask(
+            scaled, tensors.top_k.repeat_interleave(k + 1), tensors.top_p.repeat_interleave(k + 1)
+        )
+        scaled = scaled.masked_fill_(~keep, -torch.inf)
     guesses = draft_ids.clamp(min=0)[..., None]  # padding (-1) reads token 0; never kept
-    p_of_draft = p[:, :k].gather(2, guesses)[..., 0]
+    # p(d) = exp(score(d) - logsumexp(scores)): the target's probability of each guess, without
+    # a (B, K+1, V) softmax; a greedy row's p is one-hot at its argmax
+    lse = torch.logsumexp(scaled, dim=-1).view(b, k + 1)[:, :k]
+    p_of_draft = (scaled.view(b, k + 1, -1)[:, :k].gather(2, guesses)[..., 0] - lse).exp()
+    is_argmax = draft_ids == picked.argmax(dim=-1).view(b, k + 1)[:, :k]
+    p_of_draft = torch.where(greedy_rows[:, None], is_argmax.float(), p_of_draft)
     q_of_draft = torch.ones_like(p_of_draft) if draft_probs is None else (
         draft_probs.gather(2, guesses)[..., 0])  # fmt: skip
     positions = tensors.positions[:, None] + steps[None, :k]
     accepted = rule.num_accepted(p_of_draft, q_of_draft, accept_uniforms(tensors.seeds, positions),
-                            num_draft)  # fmt: skip
-    batch = torch.arange(len(draft_ids), device=logits.device)
-    p_next = p[batch, accepted]  # (B, V): the target's distribution after the kept run
+                                 num_draft)  # fmt: skip
+    batch = torch.arange(b, device=logits.device)
+    scores = scaled.view(b, k + 1, -1)[batch, accepted]  # (B, V): the row after the kept run
     rejected = accepted < num_draft
-    if draft_probs is None:  # q = one-hot at the rejected guess
-        q_next = torch.zeros_like(p_next)
+    after = tensors._replace(positions=tensors.positions + accepted, filters=False)
+    if draft_probs is None:  # q is one-hot at the rejected guess: the residual is p without it,
+        # so draw as stage 11 does from the scores with that one token masked
         column = draft_ids[batch, accepted.clamp(max=max(k - 1, 0))].clamp(min=0)
-        q_next[batch, column] = 1.0
-    else:
-        q_next = draft_probs[batch, accepted.clamp(max=max(k - 1, 0))]
+        scores[batch, column] = torch.where(rejected, -torch.inf, scores[batch, column])
+        return Verdict(
+            accepted, sample(scores, after._replace(temperature=1.0 - 1.0 * greedy_rows))
+        )
+    p_next = torch.softmax(scores, dim=-1)
+    one_hot = torch.zeros_like(p_next).scatter_(1, scores.argmax(dim=-1, keepdim=True), 1.0)
+    p_next = torch.where(greedy_rows[:, None], one_hot, p_next)
+    q_next = draft_probs[batch, accepted.clamp(max=max(k - 1, 0))]
     target = torch.where(rejected[:, None], rule.residual(p_next, q_next), p_next)
-    keys = row_keys(tensors.seeds, tensors.positions + accepted)
-    return Verdict(accepted, draw(target, keys))
+    return Verdict(accepted, draw(target, row_keys(after.seeds, after.positions)))
 
 
 def _verify_greedy(argmax: torch.Tensor, draft_ids: torch.Tensor, num_draft: torch.Tensor,

@@ -116,8 +116,9 @@ class SpeculativeScheduler(SpeculativeSchedulerBase):
 
 
 class SpeculativeEngine(SpeculativeEngineBase):
-    """The engine loop, one step resolved before the next is scheduled (the next guesses need
-    this step's tokens). Given: `propose`, `verify`, `_launch_batch`, abort, has_unfinished."""
+    """The engine loop: stage 11's overlapped step while nobody may guess, else one step resolved
+    before the next is scheduled (the next guesses need this step's tokens). Given: `may_guess`,
+    `drain`, `propose`, `verify`, `_launch_batch`, abort, has_unfinished."""
 
     Scheduler = SpeculativeScheduler
     scheduler: SpeculativeScheduler
@@ -125,9 +126,12 @@ class SpeculativeEngine(SpeculativeEngineBase):
     def step(self) -> list[Sequence]:
         """Run one step; return the sequences that finished.
 
-        Note `self.scheduler.num_preemptions` before scheduling (the trace counts the step's
-        preemptions), then `self.scheduler.schedule()`; an empty batch is a bug: raise
-        RuntimeError. A decode batch gets its guesses (`self.propose(batch)`); if any sequence
+        While `self.may_guess()` is False (every running sequence is backing off), run stage 11's
+        step: `return super().step()`. Otherwise resolve the step in flight first (`finished =
+        self.drain()`), and return what it finished with this step's. Note
+        `self.scheduler.num_preemptions` before scheduling (the trace counts the step's
+        preemptions), then `self.scheduler.schedule()`; an empty batch is a bug unless the drain
+        finished the last requests: raise RuntimeError. A decode batch gets its guesses (`self.propose(batch)`); if any sequence
         took one, verify the batch (`self.verify(...)`: it also counts the stats) and accept
         what it gained. Anything else (a prefill, or a decode where nobody guessed) runs as a
         stage 11 step that is resolved at once: `launched = self._launch_batch(...)`, commit it,

@@ -9,6 +9,7 @@ proposals taken back, and what `bench`, `--trace` and `/metrics` report.
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -40,6 +41,33 @@ class SpeculationStats(NamedTuple):
         """Tokens a verified sequence gains per step: kept guesses plus the one drawn."""
         seqs = self.num_verified_seqs
         return (self.num_accepted + seqs) / seqs if seqs else 0.0
+
+
+class Backoff:
+    """When guessing does not pay: a sequence whose guesses all missed (or which found none)
+    waits 2, then 4, ... up to MAX_WAIT steps before it guesses again; a kept guess resets it.
+
+    A sequence waiting w steps may guess only on steps that are multiples of w, so the waiting
+    sequences guess on the same steps and the steps between them run as stage 11's, overlapped.
+    Where guesses never hit (random text), one step in MAX_WAIT is a speculative one.
+    """
+
+    MAX_WAIT = 64
+
+    def __init__(self):
+        self.wait: weakref.WeakKeyDictionary[Sequence, int] = weakref.WeakKeyDictionary()
+
+    def is_open(self, seq: Sequence, step: int) -> bool:
+        """True when seq may guess on this step number."""
+        return step % self.wait.get(seq, 1) == 0
+
+    def missed(self, seq: Sequence) -> None:
+        """seq guessed nothing that was kept: wait twice as long (at most MAX_WAIT)."""
+        self.wait[seq] = min(2 * self.wait.get(seq, 1), self.MAX_WAIT)
+
+    def hit(self, seq: Sequence) -> None:
+        """seq kept a guess: it guesses every step again."""
+        self.wait.pop(seq, None)
 
 
 class SpeculativeSchedulerBase(OverlapScheduler):
@@ -88,17 +116,39 @@ class SpeculativeEngineBase(OverlapEngine):
             num_layers = config.draft_num_layers or self.runner.model.config.num_hidden_layers // 2
             self.proposer = DraftProposer(self.runner, max(1, num_layers))
         self.speculation = SpeculationStats()
+        self.backoff = Backoff()
+
+    def may_guess(self) -> bool:
+        """True when some running sequence may guess on the next step (see Backoff); when none
+        may, the next step is stage 11's, launched before the one in flight is resolved."""
+        step = self.num_steps + 1
+        return any(self.backoff.is_open(seq, step) for seq in self.scheduler.running)
+
+    def drain(self) -> list[Sequence]:
+        """Resolve the step in flight, if any (a guess needs every token before it); returns the
+        sequences it finished."""
+        if self.in_flight is None:
+            return []
+        done, self.in_flight = self.in_flight, None
+        return self.scheduler.resolve(done, done.token_ids(), self.eos_ids)
 
     def propose(self, batch: ScheduledBatch) -> torch.Tensor | None:
         """Let the proposer guess for every sequence of a decode batch (each guess appended by
         the scheduler's add_proposal); the draft's distributions, or None for n-gram guesses."""
-        k = self.num_speculative_tokens
-        budgets = [self.scheduler.budget(seq, k) for seq in batch.seqs]
+        k, step = self.num_speculative_tokens, self.num_steps + 1
+        budgets = [
+            self.scheduler.budget(seq, k) if self.backoff.is_open(seq, step) else 0
+            for seq in batch.seqs
+        ]
         try:
-            return self.proposer.propose(batch.seqs, budgets, self.scheduler.add_proposal)
+            draft_probs = self.proposer.propose(batch.seqs, budgets, self.scheduler.add_proposal)
         except BaseException:
             self.scheduler.discard_proposals(batch.seqs)
             raise
+        for seq, budget in zip(batch.seqs, budgets):
+            if budget and not seq.num_draft_tokens:  # it looked and found nothing to guess
+                self.backoff.missed(seq)
+        return draft_probs
 
     def verify(
         self, batch: ScheduledBatch, draft_probs: torch.Tensor | None, num_preempted_before: int
@@ -111,6 +161,11 @@ class SpeculativeEngineBase(OverlapEngine):
             raise
         proposed = sum(seq.num_draft_tokens for seq in batch.seqs)
         kept = sum(len(gained) - 1 for gained in verified.token_ids)
+        for seq, gained in zip(batch.seqs, verified.token_ids):
+            if len(gained) > 1:
+                self.backoff.hit(seq)
+            elif seq.num_draft_tokens:
+                self.backoff.missed(seq)
         s = self.speculation
         self.speculation = SpeculationStats(
             s.num_verify_steps + 1,

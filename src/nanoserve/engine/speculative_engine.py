@@ -11,8 +11,10 @@ here a sequence whose next tokens are easy to guess gains up to k + 1:
                                     overwritten next step); blocks past the kept tokens freed
 
 Rollback is arithmetic on a length plus, at most, a block or two given back: that is what the
-block table buys. A batch with no guesses (and every prefill) runs as a stage 11 step; each
-step resolves before the next is scheduled, because the next guess needs these tokens.
+block table buys. A guess needs every token before it, so a step that may guess first resolves
+the step in flight and runs synchronously; a batch with no guesses (and every prefill) runs as
+a stage 11 step, resolved at once. Where guessing does not pay, sequences back off (Backoff, in
+speculative_base.py) and the steps between their guesses are stage 11's, overlapped.
 """
 
 from __future__ import annotations
@@ -71,16 +73,22 @@ class SpeculativeEngine(SpeculativeEngineBase):
     scheduler: SpeculativeScheduler
 
     def step(self) -> list[Sequence]:
-        """Schedule; guess for a decode batch; verify and accept, or run a plain step."""
+        """Stage 11's overlapped step while nobody may guess; else resolve the step in flight,
+        schedule, guess for a decode batch, then verify and accept, or run a plain step."""
+        if not self.may_guess():
+            return super().step()
+        finished = self.drain()
         num_preempted_before = self.scheduler.num_preemptions
         batch = self.scheduler.schedule()
         if not batch.seqs:
+            if finished or self.scheduler.is_finished():
+                return finished
             raise RuntimeError("scheduler produced an empty batch with requests pending")
         if not batch.is_prefill:
             draft_probs = self.propose(batch)
             if any(seq.num_draft_tokens for seq in batch.seqs):
                 verified = self.verify(batch, draft_probs, num_preempted_before)
-                return self.scheduler.accept(batch, verified.token_ids, self.eos_ids)
+                return finished + self.scheduler.accept(batch, verified.token_ids, self.eos_ids)
         launched = self._launch_batch(batch, num_preempted_before)
         self.scheduler.commit(launched)
-        return self.scheduler.resolve(launched, launched.token_ids(), self.eos_ids)
+        return finished + self.scheduler.resolve(launched, launched.token_ids(), self.eos_ids)
