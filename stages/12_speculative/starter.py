@@ -131,10 +131,11 @@ class SpeculativeEngine(SpeculativeEngineBase):
         self.drain()`), and return what it finished with this step's. Note
         `self.scheduler.num_preemptions` before scheduling (the trace counts the step's
         preemptions), then `self.scheduler.schedule()`; an empty batch is a bug unless the drain
-        finished the last requests: raise RuntimeError. A decode batch gets its guesses (`self.propose(batch)`); if any sequence
-        took one, verify the batch (`self.verify(...)`: it also counts the stats) and accept
-        what it gained. Anything else (a prefill, or a decode where nobody guessed) runs as a
-        stage 11 step that is resolved at once: `launched = self._launch_batch(...)`, commit it,
-        then resolve it with `launched.token_ids()`.
+        finished the last requests: raise RuntimeError. A decode batch gets its guesses
+        (`self.propose(batch)`); if any sequence took one, verify the batch (`self.verify(...)`:
+        it also counts the stats) and accept what it gained. Anything else (a prefill, or a
+        decode where nobody guessed) runs as a stage 11 step that is resolved at once:
+        `launched = self._launch_batch(...)`, commit it, then resolve it with
+        `launched.token_ids()`.
         """
         raise NotImplementedError("task 4: SpeculativeEngine.step")
