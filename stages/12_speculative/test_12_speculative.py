@@ -425,10 +425,11 @@ def run(llm: LLM, params) -> list[list[int]]:
     engine = llm.engine
     params = params if isinstance(params, list) else [params] * len(prompts())
     seqs = [engine.add_request(p, sp) for p, sp in zip(prompts(), params)]
+    returned: list[int] = []  # every request is returned by the step that finished it, once
     for _ in range(MAX_STEPS):
         if not engine.has_unfinished():
             break
-        engine.step()
+        returned += [seq.seq_id for seq in engine.step()]
         engine.manager.check_invariants()
         for seq in engine.scheduler.running:
             assert seq.num_draft_tokens == 0, (
@@ -440,6 +441,11 @@ def run(llm: LLM, params) -> list[list[int]]:
         "blocks still held after every request ended"
     )
     assert not engine.runner.state.rows, "rows still held after every request ended"
+    want = sorted(seq.seq_id for seq in seqs)
+    assert sorted(returned) == want, (
+        f"step() returned requests {sorted(returned)} as finished; every request {want} must be "
+        "returned once, by the step that finished it (a drained step's too)"
+    )
     return [seq.completion_token_ids for seq in seqs]
 
 

@@ -185,4 +185,20 @@ MUTANTS = (
             "self.runner.verify(batch, draft_probs, self.rule)",
         ),
     ),
+    mutant(
+        "guessing_step_not_drained",
+        "a guessing step after an overlapped one does not resolve the step in flight: guesses "
+        "are appended while a token is still owed, and that token lands after them",
+        "SpeculativeEngine.step",
+        ("finished = self.drain()", "finished = []"),
+    ),
+    mutant(
+        "drained_tokens_lost",
+        "the sequences the drain finished are not returned: their requests never complete",
+        "SpeculativeEngine.step",
+        (
+            "return finished + self.scheduler.accept(batch, verified.token_ids, self.eos_ids)",
+            "return self.scheduler.accept(batch, verified.token_ids, self.eos_ids)",
+        ),
+    ),
 )
