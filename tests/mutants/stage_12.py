@@ -21,34 +21,31 @@ MUTANTS = (
         "the search runs to the end of the sequence: the suffix finds itself, the newest match, "
         "with nothing after it, and nothing is ever proposed",
         "propose_ngram",
-        ("sliding_window_view(ids[:-1], n)", "sliding_window_view(ids, n)"),
+        ("np.flatnonzero(ids[:-1] == ids[-1])", "np.flatnonzero(ids == ids[-1])"),
     ),
     mutant(
         "ngram_oldest_occurrence",
         "the first occurrence of the suffix wins instead of the newest",
         "propose_ngram",
-        ("int(hits[-1])", "int(hits[0])"),
+        ("int(ends[lengths == lengths.max()][-1])", "int(ends[lengths == lengths.max()][0])"),
     ),
     mutant(
         "ngram_followers_one_early",
         "the proposal starts at the match's last token instead of the token after it",
         "propose_ngram",
-        ("start = int(hits[-1]) + n", "start = int(hits[-1]) + n - 1"),
+        ("ids[end + 1 : end + 1 + k]", "ids[end : end + k]"),
     ),
     mutant(
         "ngram_shortest_first",
-        "n runs up from min_n: a one-token suffix wins over a longer, likelier one",
+        "the newest match of any length wins: a one-token suffix beats a longer, likelier one",
         "propose_ngram",
-        (
-            "range(min(max_n, len(ids) - 1), min_n - 1, -1)",
-            "range(min_n, min(max_n, len(ids) - 1) + 1)",
-        ),
+        ("int(ends[lengths == lengths.max()][-1])", "int(ends[lengths >= min_n][-1])"),
     ),
     mutant(
         "ngram_ignores_min_n",
         "n runs down to 1 whatever min_n says",
         "propose_ngram",
-        ("min_n - 1", "0"),
+        ("lengths.max() < min_n", "lengths.max() < 1"),
     ),
     # ---- the rule ----
     mutant(

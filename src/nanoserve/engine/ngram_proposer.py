@@ -18,7 +18,6 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from numpy.lib.stride_tricks import sliding_window_view
 
 from nanoserve.types import Sequence
 
@@ -29,13 +28,18 @@ def propose_ngram(token_ids: list[int], k: int, max_n: int, min_n: int) -> list[
     """Up to k tokens that followed the newest earlier occurrence of the sequence's last n
     tokens (n from max_n down to min_n); [] when no suffix occurs earlier."""
     ids = np.asarray(token_ids[-LOOKUP_WINDOW:])
-    for n in range(min(max_n, len(ids) - 1), min_n - 1, -1):
-        windows = sliding_window_view(ids[:-1], n)  # starts 0 .. len - n - 1: never the suffix
-        hits = np.flatnonzero((windows == ids[-n:]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return ids[start : start + k].tolist()
-    return []
+    # every earlier place the newest token occurs ends a candidate match (never the suffix
+    # itself: the newest position is left out), and grows backwards while tokens agree
+    ends = np.flatnonzero(ids[:-1] == ids[-1])
+    lengths = np.ones(len(ends), dtype=np.int64)
+    for j in range(1, min(max_n, len(ids) - 1)):
+        before = ends - j
+        agree = (before >= 0) & (ids[np.maximum(before, 0)] == ids[-1 - j]) & (lengths == j)
+        lengths += agree
+    if not ends.size or lengths.max() < min_n:
+        return []
+    end = int(ends[lengths == lengths.max()][-1])  # the newest of the longest matches
+    return ids[end + 1 : end + 1 + k].tolist()
 
 
 class NgramProposer:
