@@ -215,3 +215,19 @@ def test_two_ranks_verify_and_give_one_ranks_tokens(tmp_path):
         got = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
         assert llm.engine.speculation.num_proposed > 0
     assert got == want
+
+
+def test_logprobs_of_a_speculative_request_are_stage11s(tiny_checkpoints):
+    folder, _ = tiny_checkpoints["llama"]
+    prompts = [[5, 6, 7, 8] * 6, list(range(10, 40))]
+    params = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=3)
+    want = LLM(str(folder), stage=11, **SMALL).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(folder), stage=12, **SMALL)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.speculation.num_accepted > 0
+    for a, b in zip(want, got):
+        assert a.token_ids == b.token_ids and len(b.logprobs) == 16
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert x.keys() == y.keys()
+            for token_id in x:
+                assert abs(x[token_id].logprob - y[token_id].logprob) < 1e-9

@@ -16,6 +16,7 @@ these tokens), and the device batch learns each row's next token and length, as 
 
 from __future__ import annotations
 
+import itertools
 from contextlib import AbstractContextManager, nullcontext
 from typing import NamedTuple
 
@@ -25,8 +26,9 @@ from nanoserve.engine.device_batch import to_device_ints
 from nanoserve.engine.kv_manager import blocks_for
 from nanoserve.engine.model_runner import forward_logits
 from nanoserve.engine.overlap_runner import OverlapRunner, needs_filter
+from nanoserve.logprobs import PendingLogprobs, logprob_tensors
 from nanoserve.speculative_sampler import RULE, Rule, verify
-from nanoserve.types import ScheduledBatch, StepInputs
+from nanoserve.types import ScheduledBatch, Sequence, StepInputs, StepMessage, StepRow
 
 
 class Verified(NamedTuple):
@@ -48,26 +50,29 @@ class SpeculativeRunner(OverlapRunner):
         """Run the target over each sequence's newest token and proposals; judge them."""
         seqs = batch.seqs
         rows = self.state.send(seqs)  # the table entries grown for the proposals included
-        prefill = ScheduledBatch(seqs, is_prefill=True)  # rows: num_scheduled_tokens = k + 1
-        inputs = self.packer.prepare(prefill)
+        message = verify_rows(seqs)
+        inputs = self.packer.prepare_rows(message)
         fan_out: AbstractContextManager = nullcontext()
-        if self.workers is not None:  # every rank runs it; rank 0 gathers every row's logits
-            fan_out = self.workers.step(self.packer.rows(prefill)._replace(every_row=True))
-        with fan_out:
-            logits = forward_logits(self.model, inputs, self.attention, len(seqs), every_row=True)
+        if self.workers is not None:  # every rank runs the same decode step
+            fan_out = self.workers.step(message)
+        with fan_out:  # a decode step: the graphs replay it when its rows fit a bucket
+            logits = forward_logits(self.model, inputs, self.attention, message.num_seqs,
+                                    self.graphs)  # fmt: skip
         assert logits is not None, "rank 0 gathers the logits"
         num_draft = [seq.num_draft_tokens for seq in seqs]
-        k = max(num_draft)
+        k, b = max(num_draft), len(seqs)
         drafts = [seq.token_ids[len(seq) - n :] + [-1] * (k - n) for seq, n in zip(seqs, num_draft)]
         lens = [len(seq) - n for seq, n in zip(seqs, num_draft)]  # L: each first guess's position
-        packed = to_device_ints([x for d in drafts for x in d] + num_draft + lens, self.device)
-        b = len(seqs)
+        cu_rows = list(itertools.accumulate((n + 1 for n in num_draft), initial=0))
+        packed = to_device_ints(
+            [x for d in drafts for x in d] + num_draft + lens + cu_rows, self.device
+        )
         draft_ids = packed[: b * k].view(b, k)
-        num_draft_t, positions = packed[b * k : b * k + b], packed[b * k + b :]
+        num_draft_t, positions = packed[b * k : b * k + b], packed[b * k + b : b * k + 2 * b]
+        cu_seqlens_q = packed[b * k + 2 * b :]
         filters = any(needs_filter(seq) for seq in seqs)
         tensors = self.state.sampling(rows, positions, filters)
-        verdict = verify(logits, inputs.metadata.cu_seqlens_q, draft_ids, num_draft_t,
-                         draft_probs, tensors, rule)  # fmt: skip
+        verdict = verify(logits, cu_seqlens_q, draft_ids, num_draft_t, draft_probs, tensors, rule)
         self.state.record(rows, verdict.token_ids, positions + verdict.num_accepted + 1)
         accepted, drawn = verdict.num_accepted.tolist(), verdict.token_ids.tolist()
         for seq, length, a in zip(seqs, lens, accepted):
@@ -78,4 +83,38 @@ class SpeculativeRunner(OverlapRunner):
             kept = blocks_for(length + a, self.packer.block_size)
             self.state.num_sent[row] = min(self.state.num_sent[row], kept)
         gained = [[*d[:a], t] for d, a, t in zip(drafts, accepted, drawn)]
+        record_logprobs(seqs, logits, cu_rows, lens, gained)
         return Verified(gained, inputs)
+
+
+def verify_rows(seqs: list[Sequence]) -> StepMessage:
+    """The verify step as decode rows: one per token it computes (each sequence's newest token,
+    then its guesses), each at its own position over the sequence's own table, so each reads
+    exactly its own prefix, the rows before it in this step included (stored first)."""
+    rows = []
+    for seq in seqs:
+        start = seq.num_cached_tokens
+        rows += [
+            StepRow([t], start + j, seq.block_table) for j, t in enumerate(seq.token_ids[start:])
+        ]
+    return StepMessage(False, rows, len(rows))
+
+
+def record_logprobs(seqs, logits: torch.Tensor, cu_rows: list[int], lens: list[int], gained):
+    """For the sequences that ask (SamplingParams.logprobs): each gained token's logprobs, from
+    the row that judged it (row j of a sequence scores the token at position L + j)."""
+    asking = [b for b, seq in enumerate(seqs) if seq.params.logprobs is not None]
+    if not asking:
+        return
+    owners, indices, rows, tokens = [], [], [], []
+    for b in asking:
+        first = lens[b] - seqs[b].num_prompt_tokens  # the completion index of L
+        for j, token_id in enumerate(gained[b]):
+            owners.append(seqs[b])
+            indices.append(first + j)
+            rows.append(cu_rows[b] + j)
+            tokens.append(token_id)
+    k = max(seqs[b].params.logprobs for b in asking)
+    picked = torch.tensor(rows, device=logits.device)
+    tensors = logprob_tensors(logits[picked], torch.tensor(tokens, device=logits.device), k)
+    PendingLogprobs(owners, indices, tensors).record()

@@ -11,6 +11,7 @@ import enum
 import math
 import os
 import re
+from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -178,9 +179,13 @@ def _tokenizer(path: str | os.PathLike) -> transformers.PreTrainedTokenizerBase:
     """The tokenizer transformers builds for this GGUF (vocab, merges, specials, chat template)."""
     # Reuse transformers' own conversion so that ids match AutoTokenizer(gguf_file=...) exactly.
     # It re-reads only the metadata (~0.2 s); going through AutoTokenizer would cost ~4 s.
-    from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    try:
+        from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+    except ImportError:  # an older transformers (5.17 lacks the conversion): the public route
+        where = Path(path)
+        return AutoTokenizer.from_pretrained(where.parent, gguf_file=where.name)
     architecture, vocab, tokenizer_config = get_gguf_tokenizer(os.fspath(path))
     backend, extra = convert_gguf_tokenizer(architecture, vocab)
     return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
