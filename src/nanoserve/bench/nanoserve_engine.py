@@ -22,15 +22,16 @@ from nanoserve.options import CheckedFlags
 from nanoserve.types import ModelSpec
 
 
-def load_bench_model(flags: CheckedFlags):
-    """(spec, model): the checked --model on the --device in the --dtype.
+def load_bench_model(flags: CheckedFlags, progress: bool = False):
+    """(spec, model): the checked --model on the --device in the --dtype (with a bar of tensors
+    loaded on stderr when `progress`: a terminal, no --quiet).
 
     Loaded once and reused by every stage's engine, so each runs on the very same weights.
     """
     from nanoserve.models.loader import load_model
 
     spec = ModelSpec(flags.source, flags.dtype, flags.device)
-    return spec, load_model(spec.source, spec.device, spec.dtype)
+    return spec, load_model(spec.source, spec.device, spec.dtype, progress=progress)
 
 
 def drive(engine, prompts: list[list[int]], params: list, progress: str | None = None) -> list:

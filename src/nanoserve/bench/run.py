@@ -136,16 +136,16 @@ def run_bench(args) -> int:
     workload = bench_workload(args, flags.model_config.vocab_size, flags.source)
     check_fits(flags.config, workload)
     warn_if_large_on_cpu(flags.device, workload)
-    spec, model = load_bench_model(flags)
+    spec, model = load_bench_model(flags, progress(args))
     header = describe(args, model, flags.config, workload)
     print("\n".join(header), flush=True)
 
-    def progress(round_number: int, result: BenchResult) -> None:
+    def report_run(round_number: int, result: BenchResult) -> None:
         print(run_line(round_number, args.repeat, result), flush=True)
 
     with contextlib.ExitStack() as stack:
         runners = engine_runners(args, flags, spec, model, stages, workload, stack)
-        runs = run_rounds(runners, args.repeat, progress if args.repeat > 1 else None)
+        runs = run_rounds(runners, args.repeat, report_run if args.repeat > 1 else None)
     results = [median_run(engine_runs) for engine_runs in runs]
     notes = [f"note: {runs_note(engine_runs)}" for engine_runs in runs if len(engine_runs) > 1]
     print("\n".join(format_table(results) + notes))
@@ -180,7 +180,7 @@ def run_serve_bench(args, stages: list[int]) -> int:
         workload = bench_workload(args, flags.model_config.vocab_size)
         check_fits(flags.config, workload)
         config, parts = flags.config, flags.parts
-        spec, model = load_bench_model(flags)
+        spec, model = load_bench_model(flags, progress(args))
         header = describe(args, model, config, workload)
         print("\n".join(header), flush=True)
         # offline runs the learner's engine parts; stage 10's loop runs only in the server
