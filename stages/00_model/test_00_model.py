@@ -211,6 +211,24 @@ def test_task_3_attention_matches_a_per_query_softmax_oracle(impl, num_q, num_k)
     torch.testing.assert_close(impl.attend(q, k, v, 0.3), attention_oracle(q, k, v, 0.3))
 
 
+def test_task_3_scores_in_the_hundreds_stay_finite_in_float32(impl):
+    # whole numbers keep the products exact; scores reach several hundred, and exp(89) is
+    # already past float32's range: a softmax must subtract each row's max before exp
+    q, k = (
+        (torch.randn(n, h, 8, generator=torch.Generator().manual_seed(n)) * 15).round()
+        for n, h in ((4, 4), (6, 2))
+    )
+    v = torch.randn(6, 2, 8)
+    out = impl.attend(q, k, v, 1.0)
+    scores = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(2, dim=1))
+    assert torch.isfinite(out).all(), (
+        f"attend returned NaN or inf for scores as large as {scores.abs().max():.0f}: "
+        "exp of scores whose row max was not subtracted overflows float32"
+    )
+    want = attention_oracle(q.double(), k.double(), v.double(), 1.0)
+    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
+
+
 def test_task_3_changing_a_future_token_leaves_earlier_outputs_unchanged(impl):
     q = torch.randn(6, 4, 8, dtype=torch.float64)
     k, v = torch.randn(2, 6, 2, 8, dtype=torch.float64)
