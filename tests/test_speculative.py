@@ -231,3 +231,22 @@ def test_logprobs_of_a_speculative_request_are_stage11s(tiny_checkpoints):
             assert x.keys() == y.keys()
             for token_id in x:
                 assert abs(x[token_id].logprob - y[token_id].logprob) < 1e-9
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_the_verify_step_as_decode_rows_gives_stage11s_tokens(
+    tiny_checkpoints, family, monkeypatch
+):
+    # on a GPU a graph replays the verify step as decode rows, one per token; here, forced
+    from nanoserve.engine.speculative_runner import SpeculativeRunner, verify_rows
+
+    monkeypatch.setattr(
+        SpeculativeRunner, "verify_message", lambda self, seqs: verify_rows(seqs, as_decode=True)
+    )
+    folder, _ = tiny_checkpoints[family]
+    prompts = random_prompts(256)
+    want = greedy_tokens(LLM(str(folder), stage=11, **SMALL), prompts, 20)
+    llm = LLM(str(folder), stage=12, components={"propose_ngram": Scripted(prompts, want, 256)},
+              **SMALL)  # fmt: skip
+    assert greedy_tokens(llm, prompts, 20) == want
+    assert llm.engine.speculation.num_accepted > 0

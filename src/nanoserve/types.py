@@ -152,6 +152,7 @@ class StepMessage(NamedTuple):
     num_seqs: int
     ids_from_first_rank: bool = False  # stage 11: the rows' token ids are placeholders; rank 0
     # broadcasts the real ones (sampled on its device, never seen by the host) inside the step
+    every_row: bool = False  # stage 12: logits at every packed row (a verify step), not the last
 
 
 class StepInputs(NamedTuple):

@@ -112,7 +112,10 @@ class ModelRunner:
         inputs = self.packer.prepare_rows(message)
         if message.ids_from_first_rank:
             dist.broadcast(inputs.input_ids, src=0)
-        self.forward(inputs, self.attention, message.num_seqs)
+        if message.every_row:  # stage 12's verify step: rank 0 gathers every row's logits
+            forward_logits(self.model, inputs, self.attention, message.num_seqs, every_row=True)
+        else:
+            self.forward(inputs, self.attention, message.num_seqs)
 
     def forward(self, inputs: StepInputs, attention, num_seqs: int) -> torch.Tensor | None:
         """Logits (num_seqs, vocab) at the last packed row of each of the first num_seqs (on a
@@ -131,11 +134,15 @@ def forward_logits(
     attention,
     num_seqs: int,
     graphs: DecodeGraphs | None = None,
+    every_row: bool = False,
 ) -> torch.Tensor | None:
-    """One model call: a graph replay for a decode step that fits one, else eager."""
+    """One model call: a graph replay for a decode step that fits one, else eager. every_row:
+    logits at every packed row (stage 12 verifies each proposal), not each sequence's last."""
     if graphs is not None and graphs.can_replay(inputs):
         return model.compute_logits(graphs.replay(inputs))  # one row per sequence
     hidden = model(inputs.input_ids, inputs.positions, attention, inputs.metadata)
+    if every_row:
+        return model.compute_logits(hidden)
     last_rows = inputs.metadata.cu_seqlens_q[1 : num_seqs + 1].long() - 1
     return model.compute_logits(hidden[last_rows])
 

@@ -1,15 +1,20 @@
 """The speculative runner: stage 11's runner plus the verify step, one target forward over every
-sequence's newest token and its proposals, with logits at every row.
+sequence's newest token and its guesses, with logits at every one of them.
 
-Introduced in stage 12, given to its learner. A verify step is shaped like a chunked prefill: a
-sequence of length L (its newest token t not yet cached) with proposals d_1 .. d_k feeds
-[t, d_1, .., d_k] at positions L - 1 .. L - 1 + k over its cached prefix, so the paged prefill
-kernel computes it unchanged. Trace, block_size 4, L = 6, table [5, 2], proposals [9, 8]:
+Introduced in stage 12, given to its learner. A sequence of length L (its newest token t not
+yet cached) with guesses d_1 .. d_k feeds [t, d_1, .., d_k] at positions L - 1 .. L - 1 + k.
+Trace, block_size 4, L = 6, table [5, 2], guesses [9, 8]:
 
-    rows    t@5  d1@6  d2@7        slots 2*4+1, 2*4+2, 2*4+3       cu_seqlens_q [0, 3]
-    logits  row 0 judges d1, row 1 judges d2, row 2 gives a bonus token if both are kept
+    as decode rows (a graph replays them)        as one chunk (eager, and the CPU's)
+    row 0: t  @5  slot 9   context 6             rows t@5 d1@6 d2@7, slots 9 10 11
+    row 1: d1 @6  slot 10  context 7             cu_seqlens_q [0, 3], context 8, causal
+    row 2: d2 @7  slot 11  context 8             inside the chunk (stage 06's prefill kernel)
 
-The verdict returns to the host (speculative steps are synchronous: the next proposal needs
+The same arithmetic either way: each row sees exactly its own prefix (the rows' K/V is stored
+before attention reads it). Decode rows let stage 08's graphs replay the step, which is what a
+small model's step is made of on a GPU, but read each context once per row; the chunk reads it
+once per sequence. Row 0's logits judge d1, row 1's d2, row 2's give a bonus token if both are
+kept. The verdict returns to the host (a guessing step is synchronous: the next guesses need
 these tokens), and the device batch learns each row's next token and length, as after a stage
 11 step.
 """
@@ -22,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 
+from nanoserve.engine.cuda_graphs import bucket_for
 from nanoserve.engine.device_batch import to_device_ints
 from nanoserve.engine.kv_manager import blocks_for
 from nanoserve.engine.model_runner import forward_logits
@@ -43,6 +49,14 @@ class SpeculativeRunner(OverlapRunner):
     """An overlap runner that can also verify proposals (the last num_draft_tokens of each
     sequence's token_ids) in one forward."""
 
+    def verify_message(self, seqs: list[Sequence]) -> StepMessage:
+        """Decode rows when a captured graph can replay that many (no eager launches: what a
+        small model's step is made of); else a chunk per sequence, which reads each context
+        once, not once per row (an eager step, and the CPU's)."""
+        num_rows = sum(len(seq) - seq.num_cached_tokens for seq in seqs)
+        fits = self.graphs is not None and bucket_for(num_rows, self.graphs.buckets) is not None
+        return verify_rows(seqs, as_decode=fits)
+
     @torch.inference_mode()
     def verify(
         self, batch: ScheduledBatch, draft_probs: torch.Tensor | None, rule: Rule = RULE
@@ -50,14 +64,14 @@ class SpeculativeRunner(OverlapRunner):
         """Run the target over each sequence's newest token and proposals; judge them."""
         seqs = batch.seqs
         rows = self.state.send(seqs)  # the table entries grown for the proposals included
-        message = verify_rows(seqs)
+        message = self.verify_message(seqs)
         inputs = self.packer.prepare_rows(message)
         fan_out: AbstractContextManager = nullcontext()
-        if self.workers is not None:  # every rank runs the same decode step
+        if self.workers is not None:  # every rank runs the same step
             fan_out = self.workers.step(message)
-        with fan_out:  # a decode step: the graphs replay it when its rows fit a bucket
+        with fan_out:
             logits = forward_logits(self.model, inputs, self.attention, message.num_seqs,
-                                    self.graphs)  # fmt: skip
+                                    self.graphs, every_row=message.every_row)  # fmt: skip
         assert logits is not None, "rank 0 gathers the logits"
         num_draft = [seq.num_draft_tokens for seq in seqs]
         k, b = max(num_draft), len(seqs)
@@ -87,16 +101,19 @@ class SpeculativeRunner(OverlapRunner):
         return Verified(gained, inputs)
 
 
-def verify_rows(seqs: list[Sequence]) -> StepMessage:
-    """The verify step as decode rows: one per token it computes (each sequence's newest token,
-    then its guesses), each at its own position over the sequence's own table, so each reads
-    exactly its own prefix, the rows before it in this step included (stored first)."""
+def verify_rows(seqs: list[Sequence], as_decode: bool) -> StepMessage:
+    """The verify step's rows: what each sequence computes (its newest token, then its guesses),
+    as one decode row per token (each at its own position over the sequence's table, so it
+    reads exactly its own prefix: the rows before it in the step are stored first), or as one
+    prefill-shaped chunk per sequence (causal among its rows), with logits at every row."""
+    if not as_decode:
+        rows = [StepRow(s.token_ids[s.num_cached_tokens :], s.num_cached_tokens, s.block_table)
+                for s in seqs]  # fmt: skip
+        return StepMessage(True, rows, len(rows), every_row=True)
     rows = []
     for seq in seqs:
-        start = seq.num_cached_tokens
-        rows += [
-            StepRow([t], start + j, seq.block_table) for j, t in enumerate(seq.token_ids[start:])
-        ]
+        start, table = seq.num_cached_tokens, seq.block_table
+        rows += [StepRow([t], start + j, table) for j, t in enumerate(seq.token_ids[start:])]
     return StepMessage(False, rows, len(rows))
 
 
