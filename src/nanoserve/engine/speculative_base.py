@@ -135,7 +135,7 @@ class SpeculativeEngineBase(OverlapEngine):
     def propose(self, batch: ScheduledBatch) -> torch.Tensor | None:
         """Let the proposer guess for every sequence of a decode batch (each guess appended by
         the scheduler's add_proposal); the draft's distributions, or None for n-gram guesses."""
-        k, step = self.num_speculative_tokens, self.num_steps + 1
+        k, step = self.guesses_per_sequence(len(batch.seqs)), self.num_steps + 1
         budgets = [
             self.scheduler.budget(seq, k) if self.backoff.is_open(seq, step) else 0
             for seq in batch.seqs
@@ -149,6 +149,17 @@ class SpeculativeEngineBase(OverlapEngine):
             if budget and not seq.num_draft_tokens:  # it looked and found nothing to guess
                 self.backoff.missed(seq)
         return draft_probs
+
+    def guesses_per_sequence(self, num_seqs: int) -> int:
+        """num_speculative_tokens, or fewer where a graph replays the verify step: a batch of
+        B sequences then guesses at most (largest bucket - B) // B each, so its rows still fit
+        the graphs (B = 256 of 512 rows: one guess each). A wide batch gains least from
+        guessing anyway: its step already does much work per weight read."""
+        graphs = self.runner.graphs
+        if graphs is None:
+            return self.num_speculative_tokens
+        room = (graphs.buckets[-1] - num_seqs) // num_seqs
+        return max(0, min(self.num_speculative_tokens, room))
 
     def verify(
         self, batch: ScheduledBatch, draft_probs: torch.Tensor | None, num_preempted_before: int
