@@ -263,6 +263,21 @@ def test_a_reader_that_falls_behind_gets_its_waiting_tokens_as_one_delta():
     assert asyncio.run(main(coalesce=False))[:4] == one_by_one
 
 
+def test_a_reader_that_falls_behind_gets_the_joined_deltas_logprobs_in_order():
+    from nanoserve.logprobs import TokenLogprobs
+    from nanoserve.serving.request_stream import RequestStream, TokenDelta
+
+    first, second, third = (TokenLogprobs(-i, i, {1: -0.5}) for i in (1.0, 2.0, 3.0))
+
+    async def main():
+        stream = RequestStream(0, asyncio.get_running_loop(), coalesce=True)
+        stream.put(TokenDelta([5], None, [first]))
+        stream.put(TokenDelta([6, 7], "stop", [second, third]))
+        return await stream.get()
+
+    assert asyncio.run(main()) == TokenDelta([5, 6, 7], "stop", [first, second, third])
+
+
 def test_a_client_that_hangs_up_mid_stream_aborts_its_request(served):
     url, llm, app = served
     aborted_before = app.state.served.metrics.num_requests("abort")
@@ -294,7 +309,7 @@ BAD_COMPLETIONS = [  # (body, status, param)
     ({"model": MODEL, "prompt": "hi", "top_k": 2.5}, 400, "top_k"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "seed": -1}, 400, "seed"),
-    ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+    ({"model": MODEL, "prompt": "hi", "n": 0}, 400, "n"),
     ({"model": MODEL, "prompt": "hi", "stop_token_ids": [-3]}, 400, "stop_token_ids[0]"),
     ({"model": MODEL, "prompt": "hi", "best_of": 3}, 400, "best_of"),
     ({"model": MODEL, "prompt": ""}, 400, "prompt"),

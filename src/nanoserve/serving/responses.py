@@ -2,7 +2,8 @@
 
 Introduced in stage 10. Plain dicts, built the same way whole or streamed. Every choice carries
 its `index` (the prompt's, in a batch) and its `token_ids`, nanoserve's extension that lets tests
-compare tokens rather than text. `logprobs` is always null: nanoserve's sampler keeps none.
+compare tokens rather than text. `logprobs` is null unless the request asks for them; then it
+holds those of the choice's (or the chunk's) tokens, in openai_logprobs.py's shapes.
 """
 
 from __future__ import annotations
@@ -31,37 +32,51 @@ def envelope(request_id: str, model: str, kind: str, choices: list[dict]) -> dic
 
 
 def completion_choice(
-    index: int, text: str, token_ids: list[int], finish_reason: str | None
+    index: int,
+    text: str,
+    token_ids: list[int],
+    finish_reason: str | None,
+    logprobs: dict | None = None,
 ) -> dict:
     """A /v1/completions choice (whole or a chunk's piece)."""
     return {
         "index": index,
         "text": text,
-        "logprobs": None,
+        "logprobs": logprobs,
         "finish_reason": finish_reason,
         "token_ids": token_ids,
     }
 
 
-def chat_choice(index: int, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
+def chat_choice(
+    index: int,
+    text: str,
+    token_ids: list[int],
+    finish_reason: str | None,
+    logprobs: dict | None = None,
+) -> dict:
     """A whole /v1/chat/completions choice."""
     return {
         "index": index,
         "message": {"role": "assistant", "content": text},
-        "logprobs": None,
+        "logprobs": logprobs,
         "finish_reason": finish_reason,
         "token_ids": token_ids,
     }
 
 
 def chat_chunk_choice(
-    index: int, delta: dict, token_ids: list[int], finish_reason: str | None
+    index: int,
+    delta: dict,
+    token_ids: list[int],
+    finish_reason: str | None,
+    logprobs: dict | None = None,
 ) -> dict:
     """A chat chunk's choice: `delta` holds the role (first chunk) and the new content."""
     return {
         "index": index,
         "delta": delta,
-        "logprobs": None,
+        "logprobs": logprobs,
         "finish_reason": finish_reason,
         "token_ids": token_ids,
     }
