@@ -314,6 +314,18 @@ def test_a_batch_whose_client_hangs_up_or_whose_prompt_is_refused_leaves_nothing
 # ---- n choices per prompt, and logprobs: what vLLM serves ----
 
 
+@pytest.fixture(scope="module")
+def stage_11(folder):
+    """(client, offline LLM) at stage 11, for seeded sampling: stage 12 draws a token differently
+    on a step that guessed (the rejected guess masked), and whether a sequence guesses on a step
+    depends on the engine's step count (Backoff), so on what else the server ran before."""
+    with ServerThread(create_app(LLM(folder, stage=11, **ENGINE), MODEL)) as base_url:
+        client = openai.OpenAI(
+            base_url=f"{base_url}/v1", api_key="-", timeout=TIMEOUT, max_retries=0
+        )
+        yield client, LLM(folder, stage=11, **ENGINE)
+
+
 def chunks_of(reply, stream: bool) -> list:
     """Every chunk of a streamed reply, or the whole reply as the one 'chunk'."""
     return list(reply) if stream else [reply]
@@ -325,7 +337,8 @@ def token_text(offline: LLM, token_id: int) -> str:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_n_seeded_choices_differ_repeat_and_are_llm_generates_n(client, offline, stream):
+def test_n_seeded_choices_differ_repeat_and_are_llm_generates_n(stage_11, stream):
+    client, offline = stage_11
     sampling = dict(max_tokens=10, ignore_eos=True, temperature=1.0, seed=7)
     want = [offline_out(offline, p, n=3, **sampling) for p in ("ab", "cd")]
 
@@ -375,11 +388,15 @@ def test_greedy_n_gives_n_equal_chat_choices(client, offline, stream):
 
 
 @pytest.mark.parametrize(
-    "sampling",
-    [dict(temperature=0, logprobs=2), dict(temperature=1.0, seed=3, logprobs=0)],
-    ids=["greedy-top-2", "sampled-top-0"],
+    ("stage", "sampling"),
+    [(None, dict(temperature=0, logprobs=2)), (11, dict(temperature=1.0, seed=3, logprobs=0))],
+    ids=["greedy-top-2", "stage-11-sampled-top-0"],
 )
-def test_completion_logprobs_are_llm_generates_in_openais_shape(client, offline, sampling):
+def test_completion_logprobs_are_llm_generates_in_openais_shape(request, stage, sampling):
+    if stage is None:  # the newest stage
+        client, offline = request.getfixturevalue("client"), request.getfixturevalue("offline")
+    else:
+        client, offline = request.getfixturevalue("stage_11")
     want = offline_out(offline, "Hello", max_tokens=12, ignore_eos=True, **sampling)
     got = client.completions.create(
         model=MODEL, prompt="Hello", max_tokens=12, extra_body={"ignore_eos": True}, **sampling

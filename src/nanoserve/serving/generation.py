@@ -22,7 +22,6 @@ from nanoserve.serving import responses
 from nanoserve.serving.async_engine import AsyncEngine
 from nanoserve.serving.engine_thread import EngineError
 from nanoserve.serving.metrics import Metrics
-from nanoserve.serving.openai_logprobs import chat_logprobs, completion_logprobs
 from nanoserve.serving.protocol import APIError
 
 
@@ -130,8 +129,8 @@ class Generation:
         if self.params.logprobs is None:
             return None
         if self.chat:
-            return chat_logprobs(self.text.tokenizer, token_ids, entries)
-        return completion_logprobs(self.text.tokenizer, token_ids, entries, text_offset)
+            return responses.chat_logprobs(self.text.tokenizer, token_ids, entries)
+        return responses.completion_logprobs(self.text.tokenizer, token_ids, entries, text_offset)
 
     def _count(self, token_ids: list[int]) -> None:
         if not token_ids:
