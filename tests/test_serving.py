@@ -534,11 +534,19 @@ def test_an_engine_process_serves_the_offline_tokens_and_a_killed_one_fails_clea
         assert [t for c in chunks for t in c.choices[0].model_extra["token_ids"]] == want_ids
         assert "".join(c.choices[0].text for c in chunks) == want_text
         messages = [{"role": "user", "content": "Hi!"}]
-        (want,) = offline.chat(messages, SamplingParams(max_tokens=12), use_tqdm=False)
+        (want,) = offline.chat(messages, SamplingParams(max_tokens=12, logprobs=2), use_tqdm=False)
         reply = api.chat.completions.create(
-            model=MODEL, messages=messages, max_tokens=12, temperature=0
+            model=MODEL,
+            messages=messages,
+            max_tokens=12,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=2,
         )
         assert reply.choices[0].message.content == want.text
+        chosen = [ranked[t].logprob for t, ranked in zip(want.token_ids, want.logprobs)]
+        got = [entry.logprob for entry in reply.choices[0].logprobs.content]  # over the pipe
+        assert got == pytest.approx(chosen, rel=1e-9)
         too_long = {"model": MODEL, "prompt": list(range(100))}  # max_model_len is 96
         rejected = httpx.post(f"{url}/v1/completions", json=too_long)
         assert rejected.status_code == 400 and rejected.json()["error"]["param"] == "prompt"
