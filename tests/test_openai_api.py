@@ -21,7 +21,6 @@ from nanoserve.testing import ServerThread, save_tiny_chat_model
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
-from nanoserve.serving import protocol  # noqa: E402
 from nanoserve.serving.server import create_app  # noqa: E402
 
 MODEL = "tiny-chat"
@@ -209,8 +208,8 @@ REFUSED = [  # (route, body past the model, param, words in the message)
         "max_completion_tokens 95",
     ),
     ("/v1/completions", {"prompt": "hi", "stream_options": {}}, "stream_options", "stream: true"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, "n", "unsupported"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 0}, "logprobs", "unsupported"),
+    ("/v1/completions", {"prompt": "hi", "n": 129}, "n", "less than or equal to 128"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs", "less than or equal to 20"),
     ("/v1/completions", {"prompt": "hi", "best_of": 3}, "best_of", "unsupported"),
     ("/v1/completions", {"prompt": "hi", "echo": True}, "echo", "unsupported"),
     ("/v1/completions", {"prompt": "hi", "repetition_penalty": 1.2}, "repetition_penalty", "1.2"),
@@ -252,9 +251,15 @@ REFUSED = [  # (route, body past the model, param, words in the message)
     ),
     (
         "/v1/chat/completions",
-        {"messages": [{"role": "user", "content": "hi"}], "logprobs": True},
-        "logprobs",
-        "unsupported",
+        {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+        "top_logprobs",
+        "logprobs must be true",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+        "top_logprobs",
+        "less than or equal to 20",
     ),
     (
         "/v1/chat/completions",
@@ -274,26 +279,6 @@ def test_what_vllm_refuses_is_a_400_naming_the_field_as_sent(url, route, body, p
     error = response.json()["error"]
     assert error["param"] == param, error
     assert words in error["message"], error
-
-
-def test_the_openai_client_sees_n_above_one_refused_clearly(client):
-    with pytest.raises(openai.BadRequestError) as refused:
-        client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=2
-        )
-    error = refused.value.body
-    assert error["param"] == "n" and "n = 2 is unsupported" in error["message"]
-
-
-def test_serving_n_is_one_entry_away(url, monkeypatch):
-    """`NOT_YET` is all that refuses n > 1: without its entry, a prompt gets n choices."""
-    monkeypatch.delitem(protocol.NOT_YET, "n")
-    body = {"model": MODEL, "prompt": ["ab", "cd"], "max_tokens": 5, "n": 2, "seed": 3}
-    response = post(url, "/v1/completions", body)
-    assert response.status_code == 200, response.text
-    choices = response.json()["choices"]
-    assert [c["index"] for c in choices] == [0, 1, 2, 3]
-    assert choices[0]["token_ids"] != choices[1]["token_ids"], "seeds 3 and 4 differ"
 
 
 def counter(url: str, name: str) -> float:
@@ -324,3 +309,186 @@ def test_a_batch_whose_client_hangs_up_or_whose_prompt_is_refused_leaves_nothing
     assert counter(url, "kv_blocks_used") == 0, "a refused batch-mate left its blocks behind"
     assert counter(url, aborts) - before[aborts] == 3, "every choice of the hung-up batch aborted"
     assert counter(url, tokens) - before[tokens] < 120, "3 x 80 tokens: the choices ran on"
+
+
+# ---- n choices per prompt, and logprobs: what vLLM serves ----
+
+
+@pytest.fixture(scope="module")
+def stage_11(folder):
+    """(client, offline LLM) at stage 11, for seeded sampling: stage 12 draws a token differently
+    on a step that guessed (the rejected guess masked), and whether a sequence guesses on a step
+    depends on the engine's step count (Backoff), so on what else the server ran before."""
+    with ServerThread(create_app(LLM(folder, stage=11, **ENGINE), MODEL)) as base_url:
+        client = openai.OpenAI(
+            base_url=f"{base_url}/v1", api_key="-", timeout=TIMEOUT, max_retries=0
+        )
+        yield client, LLM(folder, stage=11, **ENGINE)
+
+
+def chunks_of(reply, stream: bool) -> list:
+    """Every chunk of a streamed reply, or the whole reply as the one 'chunk'."""
+    return list(reply) if stream else [reply]
+
+
+def token_text(offline: LLM, token_id: int) -> str:
+    """A token as a logprob names it: the decode of its id alone, as vLLM does."""
+    return offline.tokenizer.decode([token_id])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_seeded_choices_differ_repeat_and_are_llm_generates_n(stage_11, stream):
+    client, offline = stage_11
+    sampling = dict(max_tokens=10, ignore_eos=True, temperature=1.0, seed=7)
+    want = [offline_out(offline, p, n=3, **sampling) for p in ("ab", "cd")]
+
+    def ask() -> tuple[dict[int, list[int]], object]:
+        reply = client.completions.create(
+            model=MODEL,
+            prompt=["ab", "cd"],
+            n=3,
+            max_tokens=10,
+            temperature=1.0,
+            seed=7,
+            stream=stream,
+            extra_body={"ignore_eos": True},
+            **({"stream_options": {"include_usage": True}} if stream else {}),
+        )
+        chunks = chunks_of(reply, stream)
+        ids: dict[int, list[int]] = {}
+        for chunk in chunks:
+            for choice in chunk.choices:
+                ids.setdefault(choice.index, []).extend(choice.model_extra["token_ids"])
+        return ids, chunks[-1].usage
+
+    ids, usage = ask()
+    assert sorted(ids) == list(range(6)), "choice index = prompt index * n + j"
+    assert [ids[i] for i in range(6)] == [o.token_ids for out in want for o in out.outputs]
+    assert len({tuple(ids[j]) for j in range(3)}) == 3, "one prompt's seeded choices differ"
+    assert ask()[0] == ids, "the same seed repeats them"
+    assert (usage.prompt_tokens, usage.completion_tokens) == (4, 60), "each prompt counted once"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_greedy_n_gives_n_equal_chat_choices(client, offline, stream):
+    messages = [{"role": "user", "content": "Hi!"}]
+    want = chat_out(offline, messages, max_tokens=8)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=messages, n=3, max_tokens=8, temperature=0, stream=stream
+    )
+    texts: dict[int, str] = {}
+    ids: dict[int, list[int]] = {}
+    for chunk in chunks_of(reply, stream):
+        for choice in chunk.choices:
+            text = choice.delta.content if stream else choice.message.content
+            texts[choice.index] = texts.get(choice.index, "") + (text or "")
+            ids.setdefault(choice.index, []).extend(choice.model_extra["token_ids"])
+    assert texts == {j: want.text for j in range(3)}
+    assert ids == {j: want.token_ids for j in range(3)}
+
+
+@pytest.mark.parametrize(
+    ("stage", "sampling"),
+    [(None, dict(temperature=0, logprobs=2)), (11, dict(temperature=1.0, seed=3, logprobs=0))],
+    ids=["greedy-top-2", "stage-11-sampled-top-0"],
+)
+def test_completion_logprobs_are_llm_generates_in_openais_shape(request, stage, sampling):
+    if stage is None:  # the newest stage
+        client, offline = request.getfixturevalue("client"), request.getfixturevalue("offline")
+    else:
+        client, offline = request.getfixturevalue("stage_11")
+    want = offline_out(offline, "Hello", max_tokens=12, ignore_eos=True, **sampling)
+    got = client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=12, extra_body={"ignore_eos": True}, **sampling
+    )
+    logprobs = got.choices[0].logprobs
+    tokens = [token_text(offline, t) for t in want.token_ids]
+    assert logprobs.tokens == tokens
+    chosen = [ranked[t].logprob for t, ranked in zip(want.token_ids, want.logprobs)]
+    assert logprobs.token_logprobs == pytest.approx(chosen, rel=1e-9)
+    for top, ranked in zip(logprobs.top_logprobs, want.logprobs, strict=True):
+        # the sampled token, then the top `logprobs` ones (k + 1 entries, or k if it is one)
+        named = {token_text(offline, t): lp.logprob for t, lp in ranked.items()}
+        assert top == pytest.approx(named, rel=1e-9)
+        assert len(top) in (sampling["logprobs"], sampling["logprobs"] + 1)
+    lengths = [len(token) for token in tokens]
+    assert logprobs.text_offset == [sum(lengths[:i]) for i in range(len(tokens))]
+
+
+@pytest.mark.parametrize("top_logprobs", [None, 3])
+def test_chat_logprobs_are_llm_chats_in_openais_shape(client, offline, top_logprobs):
+    messages = [{"role": "user", "content": "Hi!"}]
+    want = chat_out(offline, messages, max_tokens=8, logprobs=top_logprobs or 0)
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=top_logprobs,
+    )
+    content = reply.choices[0].logprobs.content
+    assert [c.token for c in content] == [token_text(offline, t) for t in want.token_ids]
+    assert [c.bytes for c in content] == [list(c.token.encode()) for c in content]
+    chosen = [ranked[t].logprob for t, ranked in zip(want.token_ids, want.logprobs)]
+    assert [c.logprob for c in content] == pytest.approx(chosen, rel=1e-9)
+    for entry, ranked in zip(content, want.logprobs, strict=True):
+        top = sorted((lp.rank, token_text(offline, t), lp.logprob) for t, lp in ranked.items())
+        top = [(token, logprob) for rank, token, logprob in top if rank <= (top_logprobs or 0)]
+        assert [t.token for t in entry.top_logprobs] == [token for token, _ in top]
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx([lp for _, lp in top])
+        assert all(t.bytes == list(t.token.encode()) for t in entry.top_logprobs)
+
+
+def test_a_streamed_completions_chunks_carry_the_logprobs_of_their_own_tokens(client):
+    body = dict(model=MODEL, max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(prompt="Once", logprobs=2, **body)
+    chunks = list(client.completions.create(prompt="Once", logprobs=2, stream=True, **body))
+    ids = whole.choices[0].model_extra["token_ids"]
+    assert 254 not in ids and 255 not in ids, "a special token: its text is not its token's"
+    streamed: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+    offsets = []
+    for chunk in chunks:
+        (choice,) = chunk.choices
+        assert len(choice.logprobs.tokens) == len(choice.model_extra["token_ids"])
+        for name, values in streamed.items():
+            values += getattr(choice.logprobs, name)
+        offsets += choice.logprobs.text_offset
+    want = whole.choices[0].logprobs
+    assert (streamed["tokens"], offsets) == (want.tokens, want.text_offset)
+    assert streamed["token_logprobs"] == pytest.approx(want.token_logprobs, rel=1e-9)
+    for top, want_top in zip(streamed["top_logprobs"], want.top_logprobs, strict=True):
+        assert top == pytest.approx(want_top, rel=1e-9)  # another batch: the last bits may differ
+
+
+def test_a_streamed_chat_choices_chunks_carry_the_logprobs_of_their_own_tokens(client):
+    messages = [{"role": "user", "content": "Hi!"}]
+    body = dict(model=MODEL, messages=messages, max_tokens=8, temperature=0, logprobs=True)
+    whole_chat = client.chat.completions.create(top_logprobs=2, **body)
+    content = []
+    for chunk in client.chat.completions.create(top_logprobs=2, stream=True, **body):
+        (choice,) = chunk.choices
+        entries = choice.logprobs.content if choice.logprobs else []
+        assert len(entries) == len(choice.model_extra["token_ids"])
+        content += entries
+    want_content = whole_chat.choices[0].logprobs.content
+    named = [(c.token, c.bytes, [(t.token, t.bytes) for t in c.top_logprobs]) for c in content]
+    assert named == [
+        (c.token, c.bytes, [(t.token, t.bytes) for t in c.top_logprobs]) for c in want_content
+    ]
+    values = [[c.logprob] + [t.logprob for t in c.top_logprobs] for c in content]
+    for got, want_entry in zip(values, want_content, strict=True):
+        want_values = [want_entry.logprob] + [t.logprob for t in want_entry.top_logprobs]
+        assert got == pytest.approx(want_values, rel=1e-9)
+
+
+def test_a_request_without_logprobs_gets_null_logprobs(client):
+    got = client.completions.create(model=MODEL, prompt="ab", max_tokens=3, n=2)
+    assert [c.logprobs for c in got.choices] == [None, None]
+
+
+def test_a_request_that_ends_in_the_step_that_queued_it_still_gets_its_logprobs(client):
+    got = client.completions.create(model=MODEL, prompt="ab", max_tokens=1, logprobs=1)
+    (choice,) = got.choices
+    assert len(choice.logprobs.tokens) == len(choice.model_extra["token_ids"]) == 1
+    assert len(choice.logprobs.top_logprobs[0]) in (1, 2)

@@ -263,6 +263,21 @@ def test_a_reader_that_falls_behind_gets_its_waiting_tokens_as_one_delta():
     assert asyncio.run(main(coalesce=False))[:4] == one_by_one
 
 
+def test_a_reader_that_falls_behind_gets_the_joined_deltas_logprobs_in_order():
+    from nanoserve.logprobs import TokenLogprobs
+    from nanoserve.serving.request_stream import RequestStream, TokenDelta
+
+    first, second, third = (TokenLogprobs(-i, i, {1: -0.5}) for i in (1.0, 2.0, 3.0))
+
+    async def main():
+        stream = RequestStream(0, asyncio.get_running_loop(), coalesce=True)
+        stream.put(TokenDelta([5], None, [first]))
+        stream.put(TokenDelta([6, 7], "stop", [second, third]))
+        return await stream.get()
+
+    assert asyncio.run(main()) == TokenDelta([5, 6, 7], "stop", [first, second, third])
+
+
 def test_a_client_that_hangs_up_mid_stream_aborts_its_request(served):
     url, llm, app = served
     aborted_before = app.state.served.metrics.num_requests("abort")
@@ -294,7 +309,7 @@ BAD_COMPLETIONS = [  # (body, status, param)
     ({"model": MODEL, "prompt": "hi", "top_k": 2.5}, 400, "top_k"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "seed": -1}, 400, "seed"),
-    ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+    ({"model": MODEL, "prompt": "hi", "n": 0}, 400, "n"),
     ({"model": MODEL, "prompt": "hi", "stop_token_ids": [-3]}, 400, "stop_token_ids[0]"),
     ({"model": MODEL, "prompt": "hi", "best_of": 3}, 400, "best_of"),
     ({"model": MODEL, "prompt": ""}, 400, "prompt"),
@@ -519,11 +534,19 @@ def test_an_engine_process_serves_the_offline_tokens_and_a_killed_one_fails_clea
         assert [t for c in chunks for t in c.choices[0].model_extra["token_ids"]] == want_ids
         assert "".join(c.choices[0].text for c in chunks) == want_text
         messages = [{"role": "user", "content": "Hi!"}]
-        (want,) = offline.chat(messages, SamplingParams(max_tokens=12), use_tqdm=False)
+        (want,) = offline.chat(messages, SamplingParams(max_tokens=12, logprobs=2), use_tqdm=False)
         reply = api.chat.completions.create(
-            model=MODEL, messages=messages, max_tokens=12, temperature=0
+            model=MODEL,
+            messages=messages,
+            max_tokens=12,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=2,
         )
         assert reply.choices[0].message.content == want.text
+        chosen = [ranked[t].logprob for t, ranked in zip(want.token_ids, want.logprobs)]
+        got = [entry.logprob for entry in reply.choices[0].logprobs.content]  # over the pipe
+        assert got == pytest.approx(chosen, rel=1e-9)
         too_long = {"model": MODEL, "prompt": list(range(100))}  # max_model_len is 96
         rejected = httpx.post(f"{url}/v1/completions", json=too_long)
         assert rejected.status_code == 400 and rejected.json()["error"]["param"] == "prompt"

@@ -1,10 +1,11 @@
 """One HTTP request's answer: its choices' generations, sent whole or as one event stream.
 
-Introduced in stage 10. /v1/completions takes a batch of prompts: choice i answers prompt i, each
-its own request in the engine. Every choice is started at once; if the engine rejects one, the
-others are aborted and the request is a 400 naming that prompt (`prompt[2]`). A stream carries
-each choice's chunks as they come, then the usage of them all, then `data: [DONE]`; a client
-that hangs up aborts every choice. n > 1 would be n choices per prompt (`choice_requests`).
+Introduced in stage 10. /v1/completions takes a batch of prompts, and each prompt gets `n`
+choices: choice i * n + j is prompt i's j-th, each its own request in the engine
+(`choice_requests`). Every choice is started at once; if the engine rejects one, the others are
+aborted and the request is a 400 naming that prompt (`prompt[2]`). A stream carries each choice's
+chunks as they come, then the usage of them all, then `data: [DONE]`; a client that hangs up
+aborts every choice.
 """
 
 from __future__ import annotations
@@ -13,10 +14,9 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from typing import NamedTuple
 
-from nanoserve.sampling import SEED_LIMIT, SamplingParams
+from nanoserve.sampling import SamplingParams, child_params
 from nanoserve.serving import responses
 from nanoserve.serving.engine_thread import EngineError
 from nanoserve.serving.generation import Generation
@@ -31,16 +31,15 @@ class ChoiceRequest(NamedTuple):
     params: SamplingParams
 
 
-def choice_requests(params: list[SamplingParams], n: int) -> list[ChoiceRequest]:
-    """n choices per prompt (`params` has one per prompt), numbered prompt * n + j (vLLM's
-    order); a seeded request's choices draw from seeds seed, seed + 1, ... so they differ."""
-    requests = []
-    for i, prompt_params in enumerate(params):
-        for j in range(n):
-            seed = prompt_params.seed
-            seed = None if seed is None else (seed + j) % SEED_LIMIT
-            requests.append(ChoiceRequest(i * n + j, i, replace(prompt_params, seed=seed)))
-    return requests
+def choice_requests(params: list[SamplingParams]) -> list[ChoiceRequest]:
+    """Each prompt's params.n choices (`params` has one per prompt), numbered prompt * n + j
+    (vLLM's order), with the params `LLM.generate` gives them (`child_params`): a seeded
+    request's choices draw from seeds derived from its own, so they differ and repeat."""
+    return [
+        ChoiceRequest(i * prompt_params.n + j, i, child)
+        for i, prompt_params in enumerate(params)
+        for j, child in enumerate(child_params(prompt_params))
+    ]
 
 
 def sse(data: dict | str) -> str:

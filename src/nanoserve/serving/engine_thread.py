@@ -24,7 +24,9 @@ from nanoserve.serving.request_stream import (
     EngineStats,
     Request,
     RequestStream,
+    RequestTable,
     TokenDelta,
+    with_logprobs,
 )
 
 logger = logging.getLogger("nanoserve")
@@ -44,7 +46,7 @@ class EngineThread:
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self.requests: dict[int, Request] = {}  # request_id -> tracked request (loop thread)
+        self.requests = RequestTable()  # request_id -> tracked Request (loop thread)
         self.commands: queue.SimpleQueue = queue.SimpleQueue()  # Add / Abort, in arrival order
         self.stats = EngineStats.of(engine)  # replaced by the loop thread after each iteration
         self.failure: BaseException | None = None  # what stopped the loop thread, if it broke
@@ -126,10 +128,12 @@ class EngineThread:
             raise
 
     def _iterate(self, commands: list) -> list[Delivery]:
-        """run_once, or, when it fails (a step raised), every request's end with the error: a
-        failed step must not stop the loop that later requests need."""
+        """run_once, its deltas given their logprobs where asked (`fan_out` sends token ids
+        only), or, when it fails (a step raised), every request's end with the error: a failed
+        step must not stop the loop that later requests need."""
         try:
-            return self.run_once(commands)
+            self.requests.start_turn()  # fan_out drops the requests it finishes: `held` keeps them
+            return with_logprobs(self.run_once(commands), self.requests.held)
         except Exception as err:
             logger.exception("engine loop: an iteration failed; its requests are aborted")
             error = EngineError(f"the engine failed: {err!r}")

@@ -2,7 +2,8 @@
 
 Introduced in stage 10. A `Generation` waits until the loop has accepted its request (or turns the
 engine's rejection into a 400 naming the prompt), then either collects the whole choice or yields
-it piece by piece in OpenAI's chunk shape; completion.py puts a request's choices together.
+it piece by piece in OpenAI's chunk shape, each with the logprobs of its own tokens when the
+request asks for them; completion.py puts a request's choices together.
 Whatever way it ends (finished, a stop string, the client gone), closing the loop's generator
 aborts what still runs. It counts what the client sees for /metrics: time to first token and the
 gaps between tokens.
@@ -12,15 +13,24 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import cast
+from typing import NamedTuple, cast
 
 from nanoserve.detokenizer import TextStream
+from nanoserve.logprobs import TokenLogprobs
 from nanoserve.sampling import SamplingParams
 from nanoserve.serving import responses
 from nanoserve.serving.async_engine import AsyncEngine
 from nanoserve.serving.engine_thread import EngineError
 from nanoserve.serving.metrics import Metrics
 from nanoserve.serving.protocol import APIError
+
+
+class Piece(NamedTuple):
+    """What one delta adds to a choice: text safe to send, tokens, and their logprobs."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs]  # one per token if the request asks for them, else empty
 
 
 class Generation:
@@ -64,8 +74,8 @@ class Generation:
         if self.deltas is not None:
             await self.deltas.aclose()
 
-    async def pieces(self) -> AsyncIterator[tuple[str, list[int]]]:
-        """(new text, new token ids) per delta until the request is done; sets finish_reason."""
+    async def pieces(self) -> AsyncIterator[Piece]:
+        """A Piece per delta until the request is done; sets finish_reason."""
         deltas = self.deltas
         assert deltas is not None, "start() comes first"
         try:
@@ -77,7 +87,7 @@ class Generation:
                 elif delta.finish_reason is not None:
                     self.finish_reason = delta.finish_reason
                     piece += self.text.finish()
-                yield piece, delta.token_ids
+                yield Piece(piece, delta.token_ids, delta.logprobs or [])
                 if self.finish_reason is not None:
                     break
         finally:
@@ -86,11 +96,13 @@ class Generation:
 
     async def choice(self) -> dict:
         """The whole choice, once the request is done."""
-        token_ids = []
-        async for _, new_ids in self.pieces():
-            token_ids += new_ids
+        token_ids, entries = [], []
+        async for piece in self.pieces():
+            token_ids += piece.token_ids
+            entries += piece.logprobs
         build = responses.chat_choice if self.chat else responses.completion_choice
-        return build(self.index, self.text.text, token_ids, self.finish_reason)
+        logprobs = self.logprobs(token_ids, entries, text_offset=0)
+        return build(self.index, self.text.text, token_ids, self.finish_reason, logprobs)
 
     async def chunk_choices(self) -> AsyncIterator[dict]:
         """The choice as a stream chunk's choices: one per delta (chat's first names the role)."""
@@ -98,12 +110,27 @@ class Generation:
             yield responses.chat_chunk_choice(
                 self.index, {"role": "assistant", "content": ""}, [], None
             )
-        async for piece, token_ids in self.pieces():
+        num_chars_sent = 0
+        async for piece in self.pieces():
+            ids, reason = piece.token_ids, self.finish_reason
+            logprobs = self.logprobs(ids, piece.logprobs, text_offset=num_chars_sent)
+            num_chars_sent += len(piece.text)
             if not self.chat:
-                yield responses.completion_choice(self.index, piece, token_ids, self.finish_reason)
+                yield responses.completion_choice(self.index, piece.text, ids, reason, logprobs)
                 continue
-            delta = {"content": piece} if piece or self.finish_reason is None else {}
-            yield responses.chat_chunk_choice(self.index, delta, token_ids, self.finish_reason)
+            delta = {"content": piece.text} if piece.text or reason is None else {}
+            yield responses.chat_chunk_choice(self.index, delta, ids, reason, logprobs)
+
+    def logprobs(
+        self, token_ids: list[int], entries: list[TokenLogprobs], text_offset: int
+    ) -> dict | None:
+        """A choice's (or chunk's) `logprobs` for these tokens; None unless the request asks.
+        text_offset: the characters of the choice's text before the first of them."""
+        if self.params.logprobs is None:
+            return None
+        if self.chat:
+            return responses.chat_logprobs(self.text.tokenizer, token_ids, entries)
+        return responses.completion_logprobs(self.text.tokenizer, token_ids, entries, text_offset)
 
     def _count(self, token_ids: list[int]) -> None:
         if not token_ids:

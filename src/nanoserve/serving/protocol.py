@@ -2,11 +2,12 @@
 
 Introduced in stage 10. Pydantic checks each field's type and range, so a bad request is answered
 with a 400 that names the field before anything is queued; `sampling_params` maps the rest onto
-`SamplingParams`. A field nanoserve cannot honour yet (n > 1, logprobs, penalties, min_p,
-min_tokens) is a 400 saying so (`NOT_YET`), never silently ignored; so is a known OpenAI or vLLM
-field it has no use for (`UNSUPPORTED`: tools, logit_bias, guided decoding...). Any other field
-is kept and logged. Extensions, as vLLM names them: `top_k`, `ignore_eos`, `stop_token_ids`,
-`skip_special_tokens`, `include_stop_str_in_output`; every choice carries its `token_ids`.
+`SamplingParams` (`n` choices per prompt, `logprobs`: completions' int, chat's `logprobs: true` +
+`top_logprobs`). A field nanoserve cannot honour yet (penalties, min_p, min_tokens) is a 400
+saying so (`NOT_YET`), never silently ignored; so is a known OpenAI or vLLM field it has no use
+for (`UNSUPPORTED`: tools, logit_bias, guided decoding...). Any other field is kept and logged.
+Extensions, as vLLM names them: `top_k`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`,
+`include_stop_str_in_output`; every choice carries its `token_ids`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Annotated, cast
 
 from pydantic import Field
 
-from nanoserve.sampling import SEED_LIMIT, SamplingParams
+from nanoserve.sampling import MAX_LOGPROBS, SEED_LIMIT, SamplingParams
 from nanoserve.serving.chat_messages import ChatMessage
 from nanoserve.serving.openai_fields import OpenAIModel, Prompt, Stop, TokenId, unknown_fields
 
@@ -43,12 +44,10 @@ class APIError(Exception):
         return {"error": {**error, "code": self.code}}
 
 
+MAX_N = 128  # choices per prompt at most (OpenAI's limit); each is a sequence in the engine
 # Fields SamplingParams has no room for yet -> the values that ask for nothing. To serve one:
-# drop its entry and pass it on in `sampling_params` (n: `Completion` makes n choices already).
+# drop its entry and pass it on in `sampling_params`.
 NOT_YET: dict[str, tuple] = {
-    "n": (1,),
-    "logprobs": (None, False),  # completions: an int; chat: a bool
-    "top_logprobs": (None, 0),
     "min_p": (0,),
     "min_tokens": (0,),
     "presence_penalty": (0,),
@@ -109,8 +108,7 @@ class SamplingFields(OpenAIModel):
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, gt=0)
-    n: int = Field(1, ge=1)
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    n: int = Field(1, ge=1, le=MAX_N)  # choices per prompt
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # the end user's id, for OpenAI's abuse monitoring: unused here
@@ -143,6 +141,11 @@ class SamplingFields(OpenAIModel):
                 400, "stream_options is only allowed with stream: true", param="stream_options"
             )
 
+    @property
+    def num_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: how many top tokens per position, None for no logprobs."""
+        raise NotImplementedError  # each endpoint spells it its own way
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """These fields as SamplingParams; APIError naming the field SamplingParams rejects."""
         try:
@@ -154,6 +157,8 @@ class SamplingFields(OpenAIModel):
                 ignore_eos=self.ignore_eos,
                 stop_token_ids=tuple(self.stop_token_ids or ()),
                 seed=self.seed,
+                n=self.n,
+                logprobs=self.num_logprobs,
             )
         except ValueError as err:  # "SamplingParams.<field> = ... is invalid; expected ..."
             field = str(err).split(" ", 1)[0].removeprefix("SamplingParams.")
@@ -165,7 +170,12 @@ class CompletionRequest(SamplingFields):
 
     prompt: Prompt
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
-    logprobs: int | None = Field(None, ge=0, le=5)  # how many top tokens per position
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # top tokens per position
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """`logprobs` itself."""
+        return self.logprobs
 
     @property
     def is_batch(self) -> bool:
@@ -188,6 +198,23 @@ class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
     logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # with logprobs: true
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """`top_logprobs` (0 if unset) when `logprobs` is true, else None."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def check_supported(self) -> None:
+        """SamplingFields' checks, and top_logprobs > 0 only with logprobs: true (vLLM's)."""
+        super().check_supported()
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(
+                400,
+                f"top_logprobs = {self.top_logprobs} asks for the top tokens of logprobs that "
+                "were not asked for: logprobs must be true to use top_logprobs",
+                param="top_logprobs",
+            )
 
     def prompt_param(self, index: int) -> str:
         """The field a rejected prompt is named by: the messages make it."""

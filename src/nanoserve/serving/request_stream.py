@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from nanoserve.logprobs import TokenLogprobs
 from nanoserve.sampling import SamplingParams
 from nanoserve.types import Sequence
 
@@ -29,11 +30,21 @@ class TokenDelta(NamedTuple):
 
     The first delta of an accepted request is empty: the engine has queued it. finish_reason is
     None while the request runs, then "stop" or "length" (the engine's), or "abort" when it was
-    aborted. Exactly one delta of a request has a finish_reason.
+    aborted. Exactly one delta of a request has a finish_reason. `logprobs` has one entry per
+    token when the request asks for them (SamplingParams.logprobs), else None: the loop thread
+    adds them to what `fan_out` delivers (`with_logprobs`).
     """
 
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+
+    def joined(self, later: TokenDelta) -> TokenDelta:
+        """This delta and a later one of the same request as one."""
+        logprobs = None
+        if self.logprobs is not None and later.logprobs is not None:
+            logprobs = self.logprobs + later.logprobs
+        return TokenDelta(self.token_ids + later.token_ids, later.finish_reason, logprobs)
 
 
 class RequestStream:
@@ -63,7 +74,7 @@ class RequestStream:
         last = self._items[-1] if self._items else None
         if self.coalesce and joinable(last, item):
             assert isinstance(last, TokenDelta) and isinstance(item, TokenDelta)  # joinable says
-            self._items[-1] = TokenDelta(last.token_ids + item.token_ids, item.finish_reason)
+            self._items[-1] = last.joined(item)
         else:
             self._items.append(item)
         self._ready.set()
@@ -101,6 +112,44 @@ class Request:
     seq: Sequence
     stream: RequestStream
     num_sent: int = 0  # completion tokens already delivered
+    num_logprobs_sent: int = 0  # of them, how many went with their logprobs (`with_logprobs`)
+
+
+class RequestTable(dict):
+    """request_id -> Request: what the loop thread tracks (`EngineThread.requests`). `held` also
+    keeps every request tracked since `start_turn`, dropped or not: one added and finished in a
+    single turn (max_tokens=1) still gets its logprobs."""
+
+    def __init__(self):
+        super().__init__()
+        self.held: dict[int, Request] = {}
+
+    def start_turn(self) -> None:
+        """Forget the requests dropped before now."""
+        self.held = dict(self)
+
+    def __setitem__(self, request_id: int, request: Request) -> None:
+        super().__setitem__(request_id, request)
+        self.held[request_id] = request
+
+
+def with_logprobs(deliveries: list[Delivery], requests: dict[int, Request]) -> list[Delivery]:
+    """`deliveries` with each TokenDelta of a request that asks for logprobs carrying those of
+    its tokens (`requests`: request_id -> Request, finished ones included). A request's deltas
+    come in order, so its next tokens' logprobs are the ones after those already sent."""
+    out = []
+    for delivery in deliveries:
+        item, request = delivery.item, requests.get(delivery.stream.request_id)
+        if isinstance(item, TokenDelta) and request is not None:
+            seq = request.seq
+            if seq.params.logprobs is not None:
+                start = request.num_logprobs_sent
+                end = start + len(item.token_ids)
+                request.num_logprobs_sent = end
+                logprobs = [seq.logprobs[i] for i in range(start, end)]
+                delivery = Delivery(delivery.stream, item._replace(logprobs=logprobs))
+        out.append(delivery)
+    return out
 
 
 class Add(NamedTuple):

@@ -126,7 +126,7 @@ class ServedModel:
                 choice.choice_index,
                 body.prompt_param(choice.prompt_index),
             )
-            for choice in choice_requests(params, body.n)
+            for choice in choice_requests(params)
         ]
         return Completion(generations, prompts, self.name, chat)
 
