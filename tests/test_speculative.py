@@ -250,3 +250,22 @@ def test_the_verify_step_as_decode_rows_gives_stage11s_tokens(
               **SMALL)  # fmt: skip
     assert greedy_tokens(llm, prompts, 20) == want
     assert llm.engine.speculation.num_accepted > 0
+
+
+def test_seeded_sampling_with_ngram_guesses_gives_stage11s_tokens(tiny_checkpoints):
+    # a sure guess is kept exactly when it equals the token stage 11 draws at its position
+    folder, _ = tiny_checkpoints["qwen3"]
+    prompts = random_prompts(256)[:8]
+    params = [
+        SamplingParams(
+            temperature=0.8, top_k=[None, 20][i % 2], seed=i, max_tokens=24, ignore_eos=True
+        )
+        for i in range(len(prompts))
+    ]
+    want = [o.token_ids for o in LLM(str(folder), stage=11, **SMALL).generate(prompts, params)]
+    lookup = Scripted(prompts, want, 256)
+    llm = LLM(str(folder), stage=12, components={"propose_ngram": lookup}, **SMALL)
+    got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    stats = llm.engine.speculation
+    assert 0 < stats.num_accepted < stats.num_proposed

@@ -7,14 +7,14 @@ position L_b + i, where L_b is the sequence's length before its proposals. Rando
 11's counter hash, keyed by (seed, position) and a stream, so a seeded request gets the same
 tokens whatever its batch:
 
-    accept proposal i   u = hash(seed ^ ACCEPT, L + i)        kept when u * q <= p
-    draw after a run    key hash(seed, L + a), the key stage 11 uses for that position:
-    of a kept           n-gram (q one-hot): stage 11's draw with the rejected guess masked
-                        draft: Gumbel-max over log(residual), or log(p) after a full run
+    sure guesses (n-gram, q one-hot): draw the target's own token at every position with stage
+        11's key hash(seed, L + i); keep guess i while it equals that draw; emit the draw after
+        the kept run. That is the rule (see _verify_sure), and the tokens are stage 11's.
+    drawn guesses (draft, q given): u = hash(seed ^ ACCEPT, L + i), guess i kept when
+        u * q <= p; after the kept run, Gumbel-max over log(residual), or log(p) after a full
+        run, keyed hash(seed, L + a). p(d) comes from a logsumexp per row and one gather.
 
-p(d) comes from a logsumexp per row and one gather: no (B, K+1, V) softmax is built.
-
-Greedy batches (every row temperature 0) take a shortcut with the same result: argmax only.
+A greedy batch of sure guesses takes a shortcut with the same result: argmax only.
 """
 
 from __future__ import annotations
@@ -98,10 +98,8 @@ def verify(
     steps = torch.arange(k + 1, device=logits.device)
     rows = cu_seqlens_q[:-1, None].long() + torch.minimum(steps, num_draft[:, None])  # (B, K+1)
     picked = logits[rows.reshape(-1)]  # (B * (K + 1), V): row i of b scores position L_b + i
-    greedy = bool((tensors.temperature == 0).all())  # a host decision costs one sync per step
-    if greedy and draft_probs is None:
-        argmax = picked.argmax(dim=-1).view(-1, k + 1)
-        return _verify_greedy(argmax, draft_ids, num_draft, rule.num_accepted)
+    if draft_probs is None:
+        return _verify_sure(picked, draft_ids, num_draft, tensors, rule.num_accepted)
     b, greedy_rows = len(draft_ids), tensors.temperature == 0
     temperature = torch.where(greedy_rows, 1.0, tensors.temperature).repeat_interleave(k + 1)
     scaled = picked.float() / temperature[:, None]  # (B * (K + 1), V)
@@ -117,35 +115,52 @@ def verify(
     p_of_draft = (scaled.view(b, k + 1, -1)[:, :k].gather(2, guesses)[..., 0] - lse).exp()
     is_argmax = draft_ids == picked.argmax(dim=-1).view(b, k + 1)[:, :k]
     p_of_draft = torch.where(greedy_rows[:, None], is_argmax.float(), p_of_draft)
-    q_of_draft = torch.ones_like(p_of_draft) if draft_probs is None else (
-        draft_probs.gather(2, guesses)[..., 0])  # fmt: skip
+    q_of_draft = draft_probs.gather(2, guesses)[..., 0]
     positions = tensors.positions[:, None] + steps[None, :k]
-    accepted = rule.num_accepted(p_of_draft, q_of_draft, accept_uniforms(tensors.seeds, positions),
-                                 num_draft)  # fmt: skip
+    uniforms_ = accept_uniforms(tensors.seeds, positions)
+    accepted = rule.num_accepted(p_of_draft, q_of_draft, uniforms_, num_draft)
     batch = torch.arange(b, device=logits.device)
     scores = scaled.view(b, k + 1, -1)[batch, accepted]  # (B, V): the row after the kept run
-    rejected = accepted < num_draft
-    after = tensors._replace(positions=tensors.positions + accepted, filters=False)
-    if draft_probs is None:  # q is one-hot at the rejected guess: the residual is p without it,
-        # so draw as stage 11 does from the scores with that one token masked
-        column = draft_ids[batch, accepted.clamp(max=max(k - 1, 0))].clamp(min=0)
-        scores[batch, column] = torch.where(rejected, -torch.inf, scores[batch, column])
-        return Verdict(
-            accepted, sample(scores, after._replace(temperature=1.0 - 1.0 * greedy_rows))
-        )
     p_next = torch.softmax(scores, dim=-1)
     one_hot = torch.zeros_like(p_next).scatter_(1, scores.argmax(dim=-1, keepdim=True), 1.0)
     p_next = torch.where(greedy_rows[:, None], one_hot, p_next)
     q_next = draft_probs[batch, accepted.clamp(max=max(k - 1, 0))]
+    rejected = accepted < num_draft
     target = torch.where(rejected[:, None], rule.residual(p_next, q_next), p_next)
-    return Verdict(accepted, draw(target, row_keys(after.seeds, after.positions)))
+    return Verdict(accepted, draw(target, row_keys(tensors.seeds, tensors.positions + accepted)))
 
 
-def _verify_greedy(argmax: torch.Tensor, draft_ids: torch.Tensor, num_draft: torch.Tensor,
-                   num_accepted: Callable) -> Verdict:  # fmt: skip
-    """Every row greedy and every guess certain: p(d_i) is 1 when d_i is the argmax, else 0."""
-    k = draft_ids.shape[1]
-    p_of_draft = (draft_ids == argmax[:, :k]).float()
-    sure = torch.ones_like(p_of_draft)
-    accepted = num_accepted(p_of_draft, sure, sure / 2, num_draft)
-    return Verdict(accepted, argmax.gather(1, accepted[:, None])[:, 0])
+def _verify_sure(
+    picked: torch.Tensor,
+    draft_ids: torch.Tensor,
+    num_draft: torch.Tensor,
+    tensors: SamplingTensors,
+    num_accepted: Callable,
+) -> Verdict:
+    """Every guess certain (q one-hot, the n-gram proposer): draw the target's own token at each
+    position, with stage 11's key, and keep guess i while it equals that draw.
+
+    That is the rule: a guess d is kept with probability P(draw = d) = p(d) = min(1, p(d) / q(d));
+    after a rejection the draw is some x != d, with probability p(x) / (1 - p(d)): the residual
+    norm(max(0, p - q)). And every emitted token is the very token stage 11 draws at that
+    position: a seeded request gives stage 11's tokens, whatever was guessed.
+    """
+    b, k = draft_ids.shape
+    if bool((tensors.temperature == 0).all()):  # greedy: each draw is the argmax (no noise)
+        drawn = picked.argmax(dim=-1)
+    else:
+        steps = torch.arange(k + 1, device=picked.device)
+        per_row = SamplingTensors(
+            tensors.temperature.repeat_interleave(k + 1),
+            tensors.top_k.repeat_interleave(k + 1),
+            tensors.top_p.repeat_interleave(k + 1),
+            tensors.seeds.repeat_interleave(k + 1),
+            (tensors.positions[:, None] + steps).reshape(-1),  # the position each row samples
+            tensors.filters,
+        )
+        drawn = sample(picked, per_row)
+    drawn = drawn.view(b, k + 1)
+    agree = (draft_ids == drawn[:, :k]).float()  # p(d) of a draw that is certain once made
+    sure = torch.ones_like(agree)
+    accepted = num_accepted(agree, sure, sure / 2, num_draft)
+    return Verdict(accepted, drawn.gather(1, accepted[:, None])[:, 0])
