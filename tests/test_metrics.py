@@ -88,3 +88,18 @@ def test_a_manager_without_blocks_has_no_block_gauges_and_a_missing_one_is_a_com
     assert not re.search(r"^nanoserve_prefix_cache_hit_rate ", text, re.M)
     assert "# nanoserve_prefix_cache_hit_rate is not reported: the engine's Mine" in text
     assert sample(text, "nanoserve_requests_running") == 1  # the parser reads past the comment
+
+
+def test_stage12_guesses_are_counted_and_their_rates_shown():
+    from nanoserve.engine.speculative_base import SpeculationStats
+
+    spec = SpeculationStats(
+        num_verify_steps=4, num_verified_seqs=10, num_proposed=30, num_accepted=12
+    )
+    text = Metrics().render(STATS._replace(speculation=spec))
+    assert sample(text, "nanoserve_spec_decode_verify_steps_total") == 4
+    assert sample(text, "nanoserve_spec_decode_draft_tokens_total") == 30
+    assert sample(text, "nanoserve_spec_decode_accepted_tokens_total") == 12
+    assert sample(text, "nanoserve_spec_decode_acceptance_rate") == 0.4
+    assert sample(text, "nanoserve_spec_decode_tokens_per_step") == 2.2  # (12 + 10) / 10
+    assert sample(Metrics().render(STATS), "nanoserve_spec_decode_draft_tokens_total") is None

@@ -74,6 +74,31 @@ class EngineCollector:
         yield CounterMetricFamily(
             "nanoserve_preemptions", "Sequences preempted for memory.", stats.num_preemptions
         )
+        yield from speculation_metrics(stats.speculation)
+
+
+def speculation_metrics(spec) -> Iterator[Metric]:
+    """Stage 12's guesses (nothing for an engine that does not guess): counters, and the two
+    ratios a person reads first (the counters give them over any window: rate over rate)."""
+    if spec is None:
+        return
+    counters = [
+        ("verify_steps", "Steps that verified guesses.", spec.num_verify_steps),
+        ("draft_tokens", "Guesses judged by a verify step.", spec.num_proposed),
+        ("accepted_tokens", "Guesses kept.", spec.num_accepted),
+    ]
+    for name, help, value in counters:
+        yield CounterMetricFamily(f"nanoserve_spec_decode_{name}", help, value)
+    yield GaugeMetricFamily(
+        "nanoserve_spec_decode_acceptance_rate",
+        "Guesses kept / guesses judged, since the engine started.",
+        value=spec.acceptance_rate,
+    )
+    yield GaugeMetricFamily(
+        "nanoserve_spec_decode_tokens_per_step",
+        "Tokens a verified sequence gained per verify step (kept guesses + 1), since the start.",
+        value=spec.tokens_per_step,
+    )
 
 
 class Metrics:

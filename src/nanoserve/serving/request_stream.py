@@ -18,7 +18,7 @@ import os
 import sys
 from collections import deque
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from nanoserve.logprobs import TokenLogprobs
 from nanoserve.sampling import SamplingParams
@@ -182,6 +182,7 @@ class EngineStats(NamedTuple):
     num_steps: int = 0
     num_preemptions: int = 0
     unreported: tuple[str, ...] = ()  # "metric: why", e.g. a prefix cache without a hit_rate
+    speculation: Any = None  # stage 12: the engine's SpeculationStats (None: it does not guess)
 
     @classmethod
     def of(cls, engine) -> EngineStats:
@@ -200,6 +201,7 @@ class EngineStats(NamedTuple):
             engine.num_steps,
             scheduler.num_preemptions,
             lacks_hit_rate(manager) if hit_rate is None else (),
+            getattr(engine, "speculation", None),
         )
 
 
