@@ -18,6 +18,21 @@ from .test_tensor_parallel import CPU, GREEDY, nothing_left_behind, tiny_sharded
 
 __all__ = ["nothing_left_behind"]  # the tensor-parallel test below leaves no process behind
 SMALL = dict(device="cpu", dtype="float64", max_model_len=128, max_num_seqs=6, block_size=4)
+# chunked prefill, a prefix cache and a pool of 30 blocks small enough to preempt: 4 prompts
+# behind one 24-token system prefix and one without it
+SYSTEM = list(range(40, 64))
+SHARED_PREFIXES = [[*SYSTEM, 1], [*SYSTEM, 2, 3], SYSTEM, list(range(1, 40)), [*SYSTEM, 9]]
+PARAMS_14 = SamplingParams(max_tokens=14, ignore_eos=True)
+CHUNKED_PREFIX_OPTIONS = dict(
+    device="cpu",
+    dtype="float64",
+    block_size=4,
+    max_model_len=ENGINE_MAX_MODEL_LEN,
+    enable_chunked_prefill=True,
+    max_num_batched_tokens=12,
+    num_kv_blocks=30,
+    enable_prefix_caching=True,
+)
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
@@ -36,19 +51,7 @@ def test_stage11_with_chunks_a_prefix_cache_and_preemption_gives_stage09s_tokens
     tiny_checkpoints,
 ):
     folder, _ = tiny_checkpoints["llama"]
-    system = list(range(40, 64))
-    prompts = [[*system, 1], [*system, 2, 3], system, list(range(1, 40)), [*system, 9]]
-    params = SamplingParams(max_tokens=14, ignore_eos=True)
-    options = dict(
-        device="cpu",
-        dtype="float64",
-        block_size=4,
-        max_model_len=ENGINE_MAX_MODEL_LEN,
-        enable_chunked_prefill=True,
-        max_num_batched_tokens=12,
-        num_kv_blocks=30,
-        enable_prefix_caching=True,
-    )
+    prompts, params, options = SHARED_PREFIXES, PARAMS_14, CHUNKED_PREFIX_OPTIONS
     want = [o.token_ids for o in LLM(str(folder), stage=9, **options).generate(prompts, params)]
     llm = LLM(str(folder), stage=11, **options)
     checks = []

@@ -17,9 +17,9 @@ from nanoserve.speculative_sampler import verify
 from nanoserve.testing import engine_requests
 
 from .conftest import TINY_FAMILIES
-from .test_chunked_prefill import ENGINE_MAX_MODEL_LEN
 from .test_device_sampler import chi_square_p_value
 from .test_equivalence import greedy_tokens, random_prompts
+from .test_overlap import CHUNKED_PREFIX_OPTIONS, PARAMS_14, SHARED_PREFIXES
 from .test_tensor_parallel import CPU, GREEDY, nothing_left_behind, tiny_sharded_model
 
 __all__ = ["nothing_left_behind"]  # the tensor-parallel test below leaves no process behind
@@ -79,19 +79,7 @@ def test_rollback_with_chunks_a_prefix_cache_and_preemption_leaves_nothing_behin
     tiny_checkpoints,
 ):
     folder, _ = tiny_checkpoints["llama"]
-    system = list(range(40, 64))
-    prompts = [[*system, 1], [*system, 2, 3], system, list(range(1, 40)), [*system, 9]]
-    params = SamplingParams(max_tokens=14, ignore_eos=True)
-    options = dict(
-        device="cpu",
-        dtype="float64",
-        block_size=4,
-        max_model_len=ENGINE_MAX_MODEL_LEN,
-        enable_chunked_prefill=True,
-        max_num_batched_tokens=12,
-        num_kv_blocks=30,
-        enable_prefix_caching=True,
-    )
+    prompts, params, options = SHARED_PREFIXES, PARAMS_14, CHUNKED_PREFIX_OPTIONS
     want = [o.token_ids for o in LLM(str(folder), stage=11, **options).generate(prompts, params)]
     lookup = Scripted(prompts, want, 256)
     llm = LLM(str(folder), stage=12, components={"propose_ngram": lookup}, **options)
