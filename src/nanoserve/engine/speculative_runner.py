@@ -73,32 +73,50 @@ class SpeculativeRunner(OverlapRunner):
             logits = forward_logits(self.model, inputs, self.attention, message.num_seqs,
                                     self.graphs, every_row=message.every_row)  # fmt: skip
         assert logits is not None, "rank 0 gathers the logits"
+        guesses = Guesses.of(seqs, self.device)
+        tensors = self.state.sampling(rows, guesses.positions, any(map(needs_filter, seqs)))
+        verdict = verify(logits, guesses.cu_seqlens_q, guesses.draft_ids, guesses.num_draft,
+                         draft_probs, tensors, rule)  # fmt: skip
+        self.state.record(rows, verdict.token_ids, guesses.positions + verdict.num_accepted + 1)
+        accepted, drawn = verdict.num_accepted.tolist(), verdict.token_ids.tolist()
+        self.cut_sent_tables(seqs, guesses.lens, accepted)
+        gained = [[*d[:a], t] for d, a, t in zip(guesses.drafts, accepted, drawn)]
+        record_logprobs(seqs, logits, guesses.cu_rows, guesses.lens, gained)
+        return Verified(gained, inputs)
+
+    def cut_sent_tables(self, seqs: list[Sequence], lens: list[int], accepted: list[int]):
+        """The rollback keeps the blocks of the L + a tokens whose K/V stays: past them the
+        device's table entries are stale, and the next growth must send its block again."""
+        for seq, length, a in zip(seqs, lens, accepted):
+            row = self.state.row_of(seq)
+            self.state.sampled[row] = True  # its next token and length are on the device
+            kept = blocks_for(length + a, self.packer.block_size)
+            self.state.num_sent[row] = min(self.state.num_sent[row], kept)
+
+
+class Guesses(NamedTuple):
+    """A verify step's guesses: on the host, and packed for the verdict (one copy up)."""
+
+    drafts: list[list[int]]  # per sequence, its guesses padded with -1 to the most any made
+    lens: list[int]  # L: each sequence's length before its guesses (its first guess's position)
+    cu_rows: list[int]  # where each sequence's logits rows start (k + 1 rows each)
+    draft_ids: torch.Tensor  # (B, K) the drafts on the device
+    num_draft: torch.Tensor  # (B,)
+    positions: torch.Tensor  # (B,) the lens
+    cu_seqlens_q: torch.Tensor  # (B + 1,) the cu_rows
+
+    @classmethod
+    def of(cls, seqs: list[Sequence], device) -> Guesses:
+        """The guesses of seqs (the last num_draft_tokens of each one's token_ids)."""
         num_draft = [seq.num_draft_tokens for seq in seqs]
         k, b = max(num_draft), len(seqs)
         drafts = [seq.token_ids[len(seq) - n :] + [-1] * (k - n) for seq, n in zip(seqs, num_draft)]
-        lens = [len(seq) - n for seq, n in zip(seqs, num_draft)]  # L: each first guess's position
+        lens = [len(seq) - n for seq, n in zip(seqs, num_draft)]
         cu_rows = list(itertools.accumulate((n + 1 for n in num_draft), initial=0))
-        packed = to_device_ints(
-            [x for d in drafts for x in d] + num_draft + lens + cu_rows, self.device
-        )
-        draft_ids = packed[: b * k].view(b, k)
-        num_draft_t, positions = packed[b * k : b * k + b], packed[b * k + b : b * k + 2 * b]
-        cu_seqlens_q = packed[b * k + 2 * b :]
-        filters = any(needs_filter(seq) for seq in seqs)
-        tensors = self.state.sampling(rows, positions, filters)
-        verdict = verify(logits, cu_seqlens_q, draft_ids, num_draft_t, draft_probs, tensors, rule)
-        self.state.record(rows, verdict.token_ids, positions + verdict.num_accepted + 1)
-        accepted, drawn = verdict.num_accepted.tolist(), verdict.token_ids.tolist()
-        for seq, length, a in zip(seqs, lens, accepted):
-            row = self.state.row_of(seq)
-            self.state.sampled[row] = True
-            # the rollback keeps the blocks of the L + a tokens whose K/V stays: past them the
-            # device's entries are stale, and the next growth must send its block again
-            kept = blocks_for(length + a, self.packer.block_size)
-            self.state.num_sent[row] = min(self.state.num_sent[row], kept)
-        gained = [[*d[:a], t] for d, a, t in zip(drafts, accepted, drawn)]
-        record_logprobs(seqs, logits, cu_rows, lens, gained)
-        return Verified(gained, inputs)
+        flat = [x for d in drafts for x in d]
+        packed = to_device_ints(flat + num_draft + lens + cu_rows, device)
+        draft_ids, num_draft_t, lens_t, cu = packed.split([b * k, b, b, b + 1])
+        return cls(drafts, lens, cu_rows, draft_ids.view(b, k), num_draft_t, lens_t, cu)
 
 
 def verify_rows(seqs: list[Sequence], as_decode: bool) -> StepMessage:
