@@ -257,3 +257,28 @@ def test_seeded_sampling_with_ngram_guesses_gives_stage11s_tokens(tiny_checkpoin
     assert got == want
     stats = llm.engine.speculation
     assert 0 < stats.num_accepted < stats.num_proposed
+
+
+def test_a_separate_draft_model_on_pages_of_its_own_gives_stage11s_tokens(tiny_checkpoints):
+    # the target as its own separate draft guesses right every time, unless the draft's own
+    # K/V were stale: chunks, a shared prefix and preemption all move the blocks under it
+    target, _ = tiny_checkpoints["llama"]
+    prompts, params, options = SHARED_PREFIXES, PARAMS_14, CHUNKED_PREFIX_OPTIONS
+    want = [o.token_ids for o in LLM(str(target), stage=11, **options).generate(prompts, params)]
+    llm = LLM(str(target), stage=12, speculative_model=str(target), **options)
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+    stats, engine = llm.engine.speculation, llm.engine
+    assert stats.num_proposed > 0 and stats.num_accepted == stats.num_proposed, stats
+    assert engine.scheduler.num_preemptions > 0 and engine.manager.num_free_blocks == 30
+    other, _ = tiny_checkpoints["qwen3"]  # another model of the same vocabulary
+    llm = LLM(str(target), stage=12, speculative_model=str(other), **options)
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+    assert llm.engine.speculation.num_proposed > 0
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused_naming_it(tiny_checkpoints):
+    target, _ = tiny_checkpoints["llama"]  # 256 tokens; the tiny-llama preset has 512
+    with pytest.raises(ValueError, match=r"speculative_model='tiny-llama' has a vocabulary of 512"):
+        LLM(str(target), stage=12, speculative_model="tiny-llama", **SMALL)
+    with pytest.raises(ValueError, match="speculative_model"):
+        LLM(str(target), stage=12, speculative_model="tiny-llama", speculative_method="ngram")

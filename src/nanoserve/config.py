@@ -44,6 +44,8 @@ class EngineConfig:
     prompt_lookup_min: int = 1  # stage 12, ngram: the shortest suffix that may propose
     draft_num_layers: int | None = None  # stage 12, draft: the target's layers the draft runs
     # (default: half of them, at least one)
+    speculative_model: str | None = None  # stage 12, draft: a separate draft model of the same
+    # vocabulary (a known name, a preset, a GGUF file or a folder) instead of the target's layers
 
     def __post_init__(self):
         for name in (
@@ -57,6 +59,19 @@ class EngineConfig:
         for name in ("num_slabs", "num_kv_blocks", "kv_cache_bytes", "draft_num_layers"):
             self._require_count(name, optional=True)
         self._check_speculation()
+        model = self.speculative_model
+        _require(
+            model is None or (isinstance(model, str) and model.strip() != ""),
+            "speculative_model",
+            model,
+            "None (the target's own first layers) or a model name, GGUF file or folder",
+        )
+        _require(
+            model is None or self.speculative_method != "ngram",
+            "speculative_model",
+            model,
+            "None with speculative_method='ngram' (a draft model drafts; n-gram looks tokens up)",
+        )
         fraction = self.gpu_memory_utilization
         _require(
             is_real(fraction) and 0 < fraction <= 1,

@@ -89,6 +89,10 @@ ENGINE_FLAG_HELP: dict[str, tuple[str, str]] = {
     "prompt_lookup_max": ("stage 12, ngram: the longest suffix looked up", "4"),
     "prompt_lookup_min": ("stage 12, ngram: the shortest suffix that may propose", "1"),
     "draft_num_layers": ("stage 12, draft: the target's layers the draft runs", "half of them"),
+    "speculative_model": (
+        "stage 12, draft: a separate draft model of the same vocabulary",
+        "none: the target's own first layers",
+    ),
 }
 SHORT_FLAGS = {"tensor_parallel_size": ["-tp"]}  # vLLM's
 
@@ -110,6 +114,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             kind.update(choices=("auto", *BACKEND_NAMES))
         elif field.name == "speculative_method":
             kind.update(choices=SPECULATIVE_METHODS)
+        elif field.name == "speculative_model":
+            kind.update(metavar="MODEL")
         else:
             is_float = field.type == "float"
             kind.update(type=float if is_float else int, metavar="F" if is_float else "N")

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from nanoserve.engine.block_manager import BlockManager
-from nanoserve.engine.draft_proposer import DraftProposer
+from nanoserve.engine.draft_proposer import Draft, DraftProposer
 from nanoserve.engine.ngram_proposer import NgramProposer, propose_ngram
 from nanoserve.engine.overlap_engine import OverlapEngine, OverlapScheduler
 from nanoserve.engine.speculative_runner import SpeculativeRunner, Verified
@@ -103,18 +103,23 @@ class SpeculativeEngineBase(OverlapEngine):
     scheduler: SpeculativeSchedulerBase
     Scheduler: type[SpeculativeSchedulerBase] = SpeculativeSchedulerBase
 
-    def __init__(self, *args, lookup=propose_ngram, rule: Rule = RULE, **kwargs):
+    def __init__(
+        self, *args, lookup=propose_ngram, rule: Rule = RULE, draft: Draft | None = None, **kwargs
+    ):
         super().__init__(*args, **kwargs)
         config = self.config
         self.num_speculative_tokens = config.num_speculative_tokens
         self.rule = rule  # the rejection rule's two functions (a learner's, or rejection.py's)
         self.proposer: NgramProposer | DraftProposer
-        if (config.speculative_method or "ngram") == "ngram":
+        if speculative_method(config) == "ngram":
             self.proposer = NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min,
                                           lookup)  # fmt: skip
-        else:
+        elif draft is not None:  # a separate model, its own pages (the recipe built them)
+            self.proposer = DraftProposer(self.runner, draft, shares_pages=False)
+        else:  # self-speculation: the target's first layers, on the target's pages
             num_layers = config.draft_num_layers or self.runner.model.config.num_hidden_layers // 2
-            self.proposer = DraftProposer(self.runner, max(1, num_layers))
+            own = Draft(self.runner.model, self.runner.attention, max(1, num_layers))
+            self.proposer = DraftProposer(self.runner, own, shares_pages=True)
         self.speculation = SpeculationStats()
         self.backoff = Backoff()
 
@@ -186,3 +191,9 @@ class SpeculativeEngineBase(OverlapEngine):
         )
         self.count_step(batch, verified.inputs, num_preempted_before, verified.token_ids)
         return verified
+
+
+def speculative_method(config) -> str:
+    """The proposer a config asks for: its speculative_method, else draft when it names a
+    speculative_model, else ngram (as vLLM infers the method from the options given)."""
+    return config.speculative_method or ("draft" if config.speculative_model else "ngram")

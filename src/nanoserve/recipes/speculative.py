@@ -10,11 +10,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from nanoserve.cache.paged import PagedKVPool
 from nanoserve.config import EngineConfig
+from nanoserve.engine.draft_proposer import Draft
 from nanoserve.engine.ngram_proposer import propose_ngram
+from nanoserve.engine.speculative_base import speculative_method
 from nanoserve.engine.speculative_engine import SpeculativeEngine
 from nanoserve.engine.speculative_runner import SpeculativeRunner
+from nanoserve.models.loader import load_model
 from nanoserve.recipes import overlap
+from nanoserve.recipes.paged_attention import kernel_attention
 from nanoserve.recipes.recipe import EngineParts, Sizing
 from nanoserve.rejection import num_accepted, residual
 from nanoserve.speculative_sampler import Rule
@@ -24,7 +29,7 @@ def build(config: EngineConfig, sizing: Sizing, parts: dict, backend: str) -> En
     """Stage 11's parts; the learner's loop, lookup and rule (or ours) in the engine."""
     managers = {k: v for k, v in parts.items() if k == "PrefixBlockManager"}
     built = overlap.build(config, sizing, managers, backend)  # stage 11's persistent batch
-    if config.speculative_method == "draft" and sizing.tp_size > 1:
+    if speculative_method(config) == "draft" and sizing.tp_size > 1:
         raise ValueError(
             "speculative_method='draft' runs the draft on one rank; with "
             f"tensor_parallel_size={sizing.tp_size} use speculative_method='ngram'"
@@ -34,8 +39,28 @@ def build(config: EngineConfig, sizing: Sizing, parts: dict, backend: str) -> En
         parts.get("SpeculativeEngine", SpeculativeEngine),
         lookup=parts.get("propose_ngram", propose_ngram),
         rule=rule,
+        draft=draft_model(config, sizing, built.cache, backend),
     )
     return built._replace(engine=engine, runner=SpeculativeRunner)
+
+
+def draft_model(config: EngineConfig, sizing: Sizing, pool, backend: str) -> Draft | None:
+    """The separate draft model config names (None: the target drafts with its own layers), on
+    a pool of its own with as many blocks as the target's: the target's block tables index it."""
+    if config.speculative_model is None:
+        return None
+    model = load_model(config.speculative_model, sizing.device, sizing.dtype)
+    target_vocab = sizing.model_config.vocab_size
+    if model.config.vocab_size != target_vocab:
+        raise ValueError(
+            f"speculative_model={config.speculative_model!r} has a vocabulary of "
+            f"{model.config.vocab_size} tokens, the target {target_vocab}: a draft's guesses "
+            "must be the target's token ids (use a model of the same tokenizer)"
+        )
+    mc = model.config
+    shape = (mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim)
+    own = PagedKVPool(pool.num_blocks, pool.block_size, *shape, sizing.dtype, sizing.device)
+    return Draft(model, kernel_attention(own, backend, {}))
 
 
 RECIPE = dataclasses.replace(
