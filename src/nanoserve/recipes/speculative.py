@@ -46,7 +46,8 @@ def build(config: EngineConfig, sizing: Sizing, parts: dict, backend: str) -> En
 
 def draft_model(config: EngineConfig, sizing: Sizing, pool, backend: str) -> Draft | None:
     """The separate draft model config names (None: the target drafts with its own layers), on
-    a pool of its own with as many blocks as the target's: the target's block tables index it."""
+    a pool of its own with as many blocks as the target's: the target's block tables index it.
+    That pool is not in the KV budget (a GPU needs a lower gpu_memory_utilization for it)."""
     if config.speculative_model is None:
         return None
     model = load_model(config.speculative_model, sizing.device, sizing.dtype)
