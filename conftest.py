@@ -38,6 +38,11 @@ SLOW_TESTS = (
     "tests/test_serving.py",  # real servers, engine processes and client processes
     "tests/test_equivalence.py",  # the proof chain: every stage's engine, end to end
     "tests/test_hf_parity.py",  # nanoserve and transformers generate side by side
+    "tests/test_overlap.py",  # stage 11's proof: engines end to end, two ranks
+    "tests/test_speculative.py",  # stage 12's proof: engines end to end, two ranks
+    "tests/test_openai_api.py",  # real servers, the openai client
+    "tests/test_server_faults.py",  # servers started, signalled, starved
+    "tests/test_progress.py",  # `nanoserve check` run in subprocesses, on and off a terminal
     "stages/06_paged_attention/test_06_paged_attention.py::test_task_5_",  # engine, interpreted
     "stages/09_tensor_parallel/",  # two- and four-rank process groups
     "tests/test_docs.py::test_every_python_block_of_the_page_runs[stages/09_tensor_parallel/",
