@@ -62,9 +62,14 @@ def probabilities(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tenso
     scaled = logits.float() / torch.where(greedy, 1.0, tensors.temperature)[:, None]
     if tensors.filters:
         scaled = scaled.masked_fill(~filter_mask(scaled, tensors.top_k, tensors.top_p), -torch.inf)
-    probs = torch.softmax(scaled, dim=-1)
-    one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
-    return torch.where(greedy[:, None], one_hot, probs)
+    return softmax_or_one_hot(scaled, greedy)
+
+
+def softmax_or_one_hot(scores: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+    """(N, V): softmax of each row's scores (already scaled and cut), or, for a greedy row,
+    one-hot at its argmax."""
+    one_hot = torch.zeros_like(scores).scatter_(1, scores.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.where(greedy[:, None], one_hot, torch.softmax(scores, dim=-1))
 
 
 def draw(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -121,9 +126,7 @@ def verify(
     accepted = rule.num_accepted(p_of_draft, q_of_draft, uniforms_, num_draft)
     batch = torch.arange(b, device=logits.device)
     scores = scaled.view(b, k + 1, -1)[batch, accepted]  # (B, V): the row after the kept run
-    p_next = torch.softmax(scores, dim=-1)
-    one_hot = torch.zeros_like(p_next).scatter_(1, scores.argmax(dim=-1, keepdim=True), 1.0)
-    p_next = torch.where(greedy_rows[:, None], one_hot, p_next)
+    p_next = softmax_or_one_hot(scores, greedy_rows)
     q_next = draft_probs[batch, accepted.clamp(max=max(k - 1, 0))]
     rejected = accepted < num_draft
     target = torch.where(rejected[:, None], rule.residual(p_next, q_next), p_next)

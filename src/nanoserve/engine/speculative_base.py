@@ -3,8 +3,10 @@ bookkeeping and the acceptance counters.
 
 Introduced in stage 12, given to its learner (who writes `add_proposal`, `accept` and `step`,
 in engine/speculative_engine.py). Here: how many guesses a sequence may take (never past
-max_tokens or max_model_len), which proposer guesses (n-gram or draft), a failed step's
-proposals taken back, and what `bench`, `--trace` and `/metrics` report.
+max_tokens or max_model_len, nor past what a captured graph replays), the back-off that lets
+the steps nobody guesses in overlap (`may_guess`, `drain`), which proposer guesses (n-gram or
+a draft), a failed step's proposals taken back, and what `bench`, `--trace` and `/metrics`
+report.
 """
 
 from __future__ import annotations
@@ -97,7 +99,8 @@ class SpeculativeSchedulerBase(OverlapScheduler):
 
 
 class SpeculativeEngineBase(OverlapEngine):
-    """Stage 11's engine with a proposer and a verify step; every step is synchronous."""
+    """Stage 11's engine with a proposer and a verify step: a step that may guess is
+    synchronous (it drains the step in flight first), the others overlap as in stage 11."""
 
     runner: SpeculativeRunner
     scheduler: SpeculativeSchedulerBase

@@ -42,55 +42,38 @@ def envelope(request_id: str, model: str, kind: str, choices: list[dict]) -> dic
     }
 
 
-def completion_choice(
+def choice(
     index: int,
-    text: str,
+    content: dict,
     token_ids: list[int],
     finish_reason: str | None,
     logprobs: dict | None = None,
 ) -> dict:
+    """One choice of a response or a chunk; `content` is its body, which the endpoints name
+    differently: {"text": ...} (/v1/completions), {"message": {...}} (a whole chat reply) or
+    {"delta": {...}} (a chat chunk: the role first, then the new content)."""
+    return {
+        "index": index,
+        **content,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "token_ids": token_ids,
+    }
+
+
+def completion_choice(index: int, text: str, *rest) -> dict:
     """A /v1/completions choice (whole or a chunk's piece)."""
-    return {
-        "index": index,
-        "text": text,
-        "logprobs": logprobs,
-        "finish_reason": finish_reason,
-        "token_ids": token_ids,
-    }
+    return choice(index, {"text": text}, *rest)
 
 
-def chat_choice(
-    index: int,
-    text: str,
-    token_ids: list[int],
-    finish_reason: str | None,
-    logprobs: dict | None = None,
-) -> dict:
+def chat_choice(index: int, text: str, *rest) -> dict:
     """A whole /v1/chat/completions choice."""
-    return {
-        "index": index,
-        "message": {"role": "assistant", "content": text},
-        "logprobs": logprobs,
-        "finish_reason": finish_reason,
-        "token_ids": token_ids,
-    }
+    return choice(index, {"message": {"role": "assistant", "content": text}}, *rest)
 
 
-def chat_chunk_choice(
-    index: int,
-    delta: dict,
-    token_ids: list[int],
-    finish_reason: str | None,
-    logprobs: dict | None = None,
-) -> dict:
+def chat_chunk_choice(index: int, delta: dict, *rest) -> dict:
     """A chat chunk's choice: `delta` holds the role (first chunk) and the new content."""
-    return {
-        "index": index,
-        "delta": delta,
-        "logprobs": logprobs,
-        "finish_reason": finish_reason,
-        "token_ids": token_ids,
-    }
+    return choice(index, {"delta": delta}, *rest)
 
 
 MIN_LOGPROB = -9999.0  # what -inf is sent as
