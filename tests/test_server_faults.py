@@ -333,9 +333,14 @@ async def stream_until_done(base_url: str, body: dict, first_chunk: asyncio.Even
     return lines
 
 
-def assert_aborted_with_done(lines: list[str]) -> None:
+def finish_reason_with_done(lines: list[str]) -> str:
+    """The finish reason of a stream that ended properly: its last chunk names one, then [DONE]."""
     assert lines[-1] == "[DONE]", lines[-3:]
-    assert json.loads(lines[-2])["choices"][0]["finish_reason"] == "abort", lines[-3:]
+    return json.loads(lines[-2])["choices"][0]["finish_reason"]
+
+
+def assert_aborted_with_done(lines: list[str]) -> None:
+    assert finish_reason_with_done(lines) == "abort", lines[-3:]
 
 
 STREAM = {"model": MODEL, "prompt": "hi", "max_tokens": 90, "ignore_eos": True, "stream": True}
@@ -411,9 +416,11 @@ def test_nanoserve_serve_stops_on_a_signal_in_under_3_s_ending_every_stream(fold
 
         async def streams_then_signal():
             first = asyncio.Event()
-            body = {**STREAM, "max_tokens": 80}
+            # one runs at a time (--max-num-seqs 1): 6 x 90 tokens take far longer than the
+            # signal takes to arrive, however fast the engine guesses, so some stream is cut
+            body = {**STREAM, "max_tokens": 90}
             streams = [
-                asyncio.ensure_future(stream_until_done(base_url, body, first)) for _ in range(3)
+                asyncio.ensure_future(stream_until_done(base_url, body, first)) for _ in range(6)
             ]
             await first.wait()  # one has a token; the others run or wait
             started = time.monotonic()
@@ -431,8 +438,10 @@ def test_nanoserve_serve_stops_on_a_signal_in_under_3_s_ending_every_stream(fold
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
-    for lines in results:
-        assert_aborted_with_done(lines)
+    # a stream may have run to its end before the signal came; every other one is cut by it
+    reasons = [finish_reason_with_done(lines) for lines in results]
+    assert set(reasons) <= {"length", "abort"}, reasons
+    assert "abort" in reasons, f"no stream was cut by the signal: {reasons}"
     assert seconds < 3, f"the server took {seconds:.1f} s to exit"
     assert server.returncode == (-signal.SIGTERM if how == "SIGTERM" else 130), stderr
     assert "Traceback" not in stderr, stderr

@@ -14,8 +14,11 @@ largest bucket and CPU runs stay eager. The sampler and the LM head run outside 
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -54,6 +57,28 @@ def fill_static(static: StepInputs, step: StepInputs) -> None:
         getattr(target.metadata, name).copy_(getattr(step.metadata, name))
 
 
+@contextmanager
+def undisturbed_capture(graph: torch.cuda.CUDAGraph, pool) -> Iterator[None]:
+    """Capture into graph with nothing else touching CUDA meanwhile.
+
+    A capture is invalidated (cudaErrorStreamCaptureInvalidated at its end) by any unsafe CUDA
+    call made while it records. Two such calls come from outside the forward being recorded:
+    the garbage collector freeing an old step's pinned host buffer (the host allocator records
+    an event on the stream that used it), and another thread (a server, an earlier engine).
+    So the collector runs before and is off during the capture, and the capture refuses unsafe
+    calls from this thread only ("thread_local"), not from every thread ("global").
+    """
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 class DecodeGraphs:
     """One captured decode graph per bucket over one set of static buffers, and their replay."""
 
@@ -75,7 +100,7 @@ class DecodeGraphs:
             self._forward(inputs)  # eager once: Triton compiles, torch picks its kernels
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with undisturbed_capture(graph, pool):
                 self.outputs[bucket] = self._forward(inputs)
             pool = graph.pool()
             self.graphs[bucket] = graph
