@@ -107,7 +107,7 @@ def test_the_table_and_json_give_each_engines_min_median_and_max(monkeypatch, tm
     engines = [scripted("stage 11", 30.0, 10.0, 20.0), scripted("stage 12", 5.0, 40.0, 45.0)]
     _, report = bench_with(monkeypatch, tmp_path, engines, "--repeat", "3")
     out = capsys.readouterr().out
-    header = next(line for line in out.splitlines() if line.startswith("engine"))
+    header = next(line for line in out.splitlines() if line.startswith("engine "))
     assert all(name in header for name in ("min tok/s", "median tok/s", "max tok/s"))
     row = next(line for line in out.splitlines() if line.startswith("stage 12"))
     assert "5.0" in row and "40.0" in row and "45.0" in row
@@ -147,7 +147,9 @@ def test_rounds_that_agree_are_not_flagged(monkeypatch, tmp_path, capsys):
 
 def test_warm_up_rounds_are_run_but_not_counted(monkeypatch, tmp_path, capsys):
     engines = [scripted("stage 11", 227.0, 702.0, 700.0), scripted("stage 12", 60.0, 660.0, 650.0)]
-    _, report = bench_with(monkeypatch, tmp_path, engines, "--num-iters-warmup", "1", "--repeat", "2")
+    _, report = bench_with(
+        monkeypatch, tmp_path, engines, "--num-iters-warmup", "1", "--repeat", "2"
+    )
     out = capsys.readouterr().out
     assert [e.calls for e in engines] == [3, 3]
     assert out.count("warm-up round 1/1: ") == 2 and out.count("round 2/2: ") == 2
@@ -180,7 +182,7 @@ def test_a_warm_up_count_that_is_not_a_count_is_refused_by_the_parser(value, cap
 
 
 def test_a_served_bench_refuses_warm_up_rounds_naming_the_flag():
-    with pytest.raises(ValueError, match="^argument --num-iters-warmup: "):
+    with pytest.raises(ValueError, match=r"^argument --num-iters-warmup: "):
         run_bench(parse(*TINY_RUN, "--serve", "--num-iters-warmup", "1"))
 
 
