@@ -176,8 +176,9 @@ def test_served_latencies_are_numbers_in_ms_with_a_record_per_request():
 
 def test_a_served_report_with_an_unbounded_rate_is_strict_json(tmp_path):
     from nanoserve.bench.report import bench_report, write_json
+    from nanoserve.bench.rounds import summarize
 
-    served = BenchResult("served", 5, 0.0, None)  # zero seconds: an infinite tokens/s
+    served = summarize([BenchResult("served", 5, 0.0, None)])  # zero seconds: infinite tokens/s
     report = bench_report(parse("--serve"), ["header"], [10], [served], None, TIMINGS)
     write_json(str(tmp_path / "bench.json"), report)
     loaded = strict_json((tmp_path / "bench.json").read_text())

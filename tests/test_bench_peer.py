@@ -17,7 +17,7 @@ import torch
 from nanoserve.bench import peer
 from nanoserve.bench.peer import PeerFailed, check_peer, missing_requirements, run_peer
 from nanoserve.bench.peer_folder import PeerFolder, peer_folder, write_hf_folder
-from nanoserve.bench.rounds import median_run, run_rounds, runs_note
+from nanoserve.bench.rounds import run_rounds
 from nanoserve.bench.run import run_bench
 from nanoserve.bench.workload import BenchResult, make_workload
 from nanoserve.config import EngineConfig, engine_config_for
@@ -180,7 +180,7 @@ def test_the_command_line_resolves_the_cuda_defaults_in_the_same_place(monkeypat
     assert flags.config.max_num_seqs == 8
 
 
-# ---- rounds and medians ----
+# ---- rounds (their statistics: tests/test_bench_repeat.py) ----
 
 
 def result(engine: str, seconds: float, note=None) -> BenchResult:
@@ -206,17 +206,6 @@ def test_rounds_interleave_every_engine_round_by_round():
         [3, 6, 9],
     ]
     assert heard == [1, 1, 1, 2, 2, 2, 3, 3, 3]
-
-
-def test_the_median_row_is_the_run_of_median_throughput():
-    runs = [result("a", 2.0), result("a", 1.0, "fast"), result("a", 4.0)]  # 50, 100, 25 tok/s
-    assert median_run(runs) is runs[0]
-    assert median_run(runs[:1]) is runs[0]
-    assert median_run([runs[1], runs[2]]) is runs[2]  # even: the slower middle run, a real one
-    assert (
-        runs_note(runs)
-        == "a: 3 runs, tok/s 50.0 / 100.0 / 25.0 in run order; the row is the median"
-    )
 
 
 # ---- the HF folder nano-vLLM loads ----

@@ -74,8 +74,17 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         type=positive_int,
         default=1,
         metavar="N",
-        help="run every engine N times, in interleaved rounds, and report each one's median run "
-        "(default: %(default)s)",
+        help="run every engine N times, in interleaved rounds, and report each one's min, median "
+        "(of an even N, the mean of the middle two) and max tok/s, the ratio of the medians and "
+        "each round's ratio (default: %(default)s)",
+    )
+    p.add_argument(
+        "--num-iters-warmup",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="first run N warm-up rounds, interleaved like --repeat's: they run and are printed "
+        "but are not counted in any figure (vLLM's name; default: %(default)s)",
     )
     p.add_argument(
         "--hf-batch-size", type=positive_int, default=None, help="CPU (default: all requests)"
@@ -96,6 +105,13 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     serve.add_serve_bench_args(p)
     add_engine_source_args(p, many_stages=True)
     return p
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return int(text)
 
 
 def checked_stages(args) -> list[int]:
@@ -178,3 +194,5 @@ def check_bench_flags(args) -> None:
             raise ValueError(f"argument --compare: {served} times nanoserve only")
         if args.repeat > 1:
             raise ValueError(f"argument --repeat: {served} runs once")
+        if args.num_iters_warmup > 0:
+            raise ValueError(f"argument --num-iters-warmup: {served} runs once, no warm-up")

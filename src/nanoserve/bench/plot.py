@@ -1,9 +1,10 @@
 """`nanoserve bench --plot PATH`: the run's report (what --json writes) drawn with matplotlib.
 
 Introduced with the bench's JSON report. Left panel: output tokens per second of each engine, a
-bar for its median run and a dot for every run (`--repeat`). Right panel, for a served run: the
-distribution of each request's time to first token, time per output token and end-to-end latency
-(empirical CDFs, milliseconds, log scale). It draws what the report holds and measures nothing.
+bar for its median (of an even count of runs, the mean of the middle two) and a dot for every
+run (`--repeat`). Right panel, for a served run: the distribution of each request's time to
+first token, time per output token and end-to-end latency (empirical CDFs, milliseconds, log
+scale). It draws what the report holds and measures nothing.
 matplotlib is an optional dependency (the `notebooks` and `docs` extras): `check_plot` refuses
 --plot before the model loads when it is missing.
 """
@@ -54,7 +55,7 @@ def plot_report(report: dict, path: str) -> None:
 
 
 def throughput_panel(ax, results: list[dict]) -> None:
-    """One bar per engine (its median run), one dot per run."""
+    """One bar per engine (the median of its runs), one dot per run."""
     names = [r["engine"] for r in results]
     ax.barh(names, [r["tokens_per_s"] or 0 for r in results], color="#4C72B0", alpha=0.7)
     for y, record in enumerate(results):
@@ -62,7 +63,7 @@ def throughput_panel(ax, results: list[dict]) -> None:
         ax.plot(runs, [y] * len(runs), "o", color="black", markersize=4)
     ax.invert_yaxis()  # the first engine on top, as in the table
     ax.set_xlabel("output tokens / s")
-    ax.set_title("throughput (bar: median run; dots: every run)", fontsize=9)
+    ax.set_title("throughput (bar: median; dots: every run)", fontsize=9)
 
 
 def latency_panel(ax, requests: list[dict]) -> None:

@@ -2,9 +2,11 @@
 
 Introduced in stage 04 (records per engine); stage 10 added the served run's latencies, as
 numbers in milliseconds (TTFT, TPOT, ITL and end-to-end: mean, p50, p90, p99), and a record per
-request; `--repeat` adds each engine's runs to its record. Every number is finite: an unbounded
-option (`--request-rate inf`) is written as null, so `JSON.parse` and `json.loads(...,
-parse_constant=...)` that refuse NaN and Infinity both read it. It measures nothing itself.
+request; `--repeat` adds each engine's runs, each round's ratio and the uncounted warm-up runs,
+and makes a record's numbers medians beside min and max tokens/s (issue 31). Every number is
+finite: an unbounded option (`--request-rate inf`) is written as null, so `JSON.parse` and
+`json.loads(..., parse_constant=...)` that refuse NaN and Infinity both read it. It measures
+nothing itself.
 """
 
 from __future__ import annotations
@@ -16,9 +18,19 @@ import subprocess
 from pathlib import Path
 
 from nanoserve.bench.clients import Timing
+from nanoserve.bench.rounds import EngineSummary, ratio, round_ratios
 from nanoserve.bench.workload import BenchResult
 
 PERCENTILES = (50, 90, 99)
+# a run's numbers in --json (acceptance_rate and tokens_per_step: stage 12's, None for others)
+RUN_FIELDS = (
+    "output_tokens",
+    "seconds",
+    "preemptions",
+    "prefill_tokens",
+    "acceptance_rate",
+    "tokens_per_step",
+)
 
 
 def finite(value):
@@ -82,16 +94,19 @@ def latency_report(timings: list[Timing]) -> dict:
     }
 
 
-def result_record(result: BenchResult, first: BenchResult) -> dict:
-    """One engine's row: its counts, seconds, tokens/s and throughput relative to the first."""
-    ratio = result.tokens_per_s / first.tokens_per_s if first.tokens_per_s else None
-    return dict(result._asdict(), tokens_per_s=result.tokens_per_s, ratio=ratio)
+def result_record(row: EngineSummary, first: EngineSummary) -> dict:
+    """One engine's row: medians of its runs' counts and seconds, min, median and max tokens/s
+    (tokens_per_s is the median) and the ratio of its median to the first row's."""
+    return dict(
+        row._asdict(),
+        tokens_per_s=row.tokens_per_s,
+        ratio=ratio(row.tokens_per_s, first.tokens_per_s),
+    )
 
 
 def run_record(result: BenchResult) -> dict:
     """One timed run of an engine (of several, with --repeat): its counts, seconds, tokens/s."""
-    names = ("output_tokens", "seconds", "preemptions", "prefill_tokens")
-    return {**{n: getattr(result, n) for n in names}, "tokens_per_s": result.tokens_per_s}
+    return {**{n: getattr(result, n) for n in RUN_FIELDS}, "tokens_per_s": result.tokens_per_s}
 
 
 def git_commit() -> str | None:
@@ -128,10 +143,10 @@ def write_json(path: str, report: dict) -> None:
         json.dump(finite(report), f, indent=2, allow_nan=False)
 
 
-def bench_report(args, header, stages, results, device, timings=None, runs=None) -> dict:
+def bench_report(args, header, stages, rows, device, timings=None, runs=None, warmup=None) -> dict:
     """The whole run: provenance, the header lines, the options, one record per engine (with
-    `runs`, one list per engine: its runs in run order) and, for a served run, the latencies
-    and the requests."""
+    `runs`, one list per engine: its runs in run order and each round's ratio; with `warmup`,
+    the runs of the rounds not counted) and, for a served run, the latencies and the requests."""
     from nanoserve import __version__
 
     options = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
@@ -143,10 +158,13 @@ def bench_report(args, header, stages, results, device, timings=None, runs=None)
         "device": device_record(device),
         "header": header,
         "options": options,
-        "results": [result_record(r, results[0]) for r in results],
+        "results": [result_record(r, rows[0]) for r in rows],
     }
-    for record, engine_runs in zip(report["results"], runs or []):
+    for record, engine_runs, ratios in zip(report["results"], runs or [], round_ratios(runs or [])):
         record["runs"] = [run_record(r) for r in engine_runs]
+        record["round_ratios"] = ratios
+    for record, engine_runs in zip(report["results"], warmup or []):
+        record["warmup_runs"] = [run_record(r) for r in engine_runs]
     if timings:
         report.update(latency_report(timings))
     return report

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import os
 from collections.abc import Callable
 
@@ -28,7 +27,14 @@ from nanoserve.bench.nanoserve_engine import load_bench_model, run_nanoserve
 from nanoserve.bench.peer import PEER, check_peer
 from nanoserve.bench.plot import check_plot, plot_report
 from nanoserve.bench.report import bench_report, write_json
-from nanoserve.bench.rounds import median_run, run_line, run_rounds, runs_note
+from nanoserve.bench.rounds import (
+    EngineSummary,
+    ratio,
+    repeat_notes,
+    run_line,
+    run_rounds,
+    summarize,
+)
 from nanoserve.bench.workload import (
     BenchResult,
     Workload,
@@ -41,6 +47,7 @@ from nanoserve.options import (
 )
 
 Runner = Callable[[], BenchResult]  # one engine's timed run of the whole workload
+Runs = list[list[BenchResult]]  # each engine's runs, in run order
 
 
 def describe(args, model, config: EngineConfig, workload: Workload) -> list[str]:
@@ -63,32 +70,46 @@ def describe(args, model, config: EngineConfig, workload: Workload) -> list[str]
     ]
 
 
-def format_table(results: list[BenchResult]) -> list[str]:
-    """One row per engine; the last column is throughput relative to the first row."""
+def format_table(rows: list[EngineSummary]) -> list[str]:
+    """One row per engine; the last column is throughput relative to the first row. With
+    repeated runs the row is min, median and max tok/s (each run's seconds are on its line)."""
+    repeated = any(r.num_runs > 1 for r in rows)
+    speed = f"{'seconds':>9} {'tok/s':>9}"
+    if repeated:
+        speed = f"{'min tok/s':>10} {'median tok/s':>12} {'max tok/s':>10}"
     lines = [
-        f"{'engine':<34} {'output tok':>10} {'seconds':>9} {'tok/s':>9} "
-        f"{'preempt':>8} {'prefill tok':>11} {'vs first':>9}"
+        f"{'engine':<34} {'output tok':>10} {speed} {'preempt':>8} {'prefill tok':>11} "
+        f"{'vs first':>9}"
     ]
-    for r in results:
-        preempt = "-" if r.preemptions is None else str(r.preemptions)
-        prefill = "-" if r.prefill_tokens is None else f"{r.prefill_tokens:,}"
-        ratio = r.tokens_per_s / results[0].tokens_per_s if results[0].tokens_per_s else math.nan
+    for r in rows:
+        speeds = f"{r.seconds:>9.2f} {r.tokens_per_s:>9.1f}"
+        if repeated:
+            speeds = (
+                f"{r.min_tokens_per_s:>10.1f} {r.tokens_per_s:>12.1f} {r.max_tokens_per_s:>10.1f}"
+            )
+        vs = ratio(r.tokens_per_s, rows[0].tokens_per_s)
         lines.append(
-            f"{r.engine:<34} {r.output_tokens:>10,} {r.seconds:>9.2f} "
-            f"{r.tokens_per_s:>9.1f} {preempt:>8} {prefill:>11} "
-            f"{ratio:>8.2f}x"
+            f"{r.engine:<34} {count(r.output_tokens):>10} {speeds} {count(r.preemptions):>8} "
+            f"{count(r.prefill_tokens):>11} {'-' if vs is None else f'{vs:.2f}x':>9}"
         )
-    notes = [f"note: {r.note}" for r in results if r.note]
+    notes = [f"note: {r.note}" for r in rows if r.note]
     return (
         lines
         + notes
         + [
             f"note: {r.engine}: {r.acceptance_rate:.0%} of guesses kept, "
             f"{r.tokens_per_step:.2f} tokens per verified sequence and step"
-            for r in results
+            for r in rows
             if r.acceptance_rate is not None and r.tokens_per_step is not None
         ]
     )
+
+
+def count(value: float | None) -> str:
+    """A count for the table: - for none; a median of an even number of runs may end in .5."""
+    if value is None:
+        return "-"
+    return f"{value:,.0f}" if value == int(value) else f"{value:,.1f}"
 
 
 def engine_runners(args, flags: CheckedFlags, spec, model, stages, workload, stack) -> list[Runner]:
@@ -140,17 +161,28 @@ def run_bench(args) -> int:
     header = describe(args, model, flags.config, workload)
     print("\n".join(header), flush=True)
 
-    def report_run(round_number: int, result: BenchResult) -> None:
-        print(run_line(round_number, args.repeat, result), flush=True)
-
     with contextlib.ExitStack() as stack:
         runners = engine_runners(args, flags, spec, model, stages, workload, stack)
-        runs = run_rounds(runners, args.repeat, report_run if args.repeat > 1 else None)
-    results = [median_run(engine_runs) for engine_runs in runs]
-    notes = [f"note: {runs_note(engine_runs)}" for engine_runs in runs if len(engine_runs) > 1]
-    print("\n".join(format_table(results) + notes))
-    write_outputs(args, bench_report(args, header, stages, results, spec.device, runs=runs))
+        warmup_runs, runs = timed_rounds(args, runners)
+    rows = [summarize(engine_runs) for engine_runs in runs]
+    print("\n".join(format_table(rows) + repeat_notes(runs, args.num_iters_warmup)))
+    report = bench_report(args, header, stages, rows, spec.device, runs=runs, warmup=warmup_runs)
+    write_outputs(args, report)
     return 0
+
+
+def timed_rounds(args, runners: list[Runner]) -> tuple[Runs, Runs]:
+    """(warm-up runs, counted runs), each engine's in run order: --num-iters-warmup rounds that
+    are not counted, then --repeat rounds; a line per run when there is more than one."""
+
+    def report(kind: str, num_rounds: int) -> Callable[[int, BenchResult], None]:
+        return lambda n, result: print(run_line(n, num_rounds, result, kind), flush=True)
+
+    num_warmups = args.num_iters_warmup
+    warmup_runs = run_rounds(runners, num_warmups, report("warm-up round", num_warmups))
+    shown = args.repeat > 1 or num_warmups > 0
+    runs = run_rounds(runners, args.repeat, report("round", args.repeat) if shown else None)
+    return warmup_runs, runs
 
 
 def write_outputs(args, report: dict) -> None:
@@ -197,11 +229,12 @@ def run_serve_bench(args, stages: list[int]) -> int:
         with serve.ServerProcess(command, port) as url:
             timings, seconds = serve.drive(url, workload, args)
     results.append(serve.served_result(timings, seconds, args))
-    lines = format_table(results) + serve.latency_lines(timings)
+    rows = [summarize([r]) for r in results]
+    lines = format_table(rows) + serve.latency_lines(timings)
     if len(results) == 2:
         offline, served = results
         lines.append(serve.overhead_line(offline, served, args.request_rate, args.max_concurrency))
     print("\n".join(lines))
     header += lines[len(results) + 1 :]
-    write_outputs(args, bench_report(args, header, stages, results, device, timings))
+    write_outputs(args, bench_report(args, header, stages, rows, device, timings))
     return 0
