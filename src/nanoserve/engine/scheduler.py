@@ -123,7 +123,7 @@ class Scheduler:
             self.free(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)  # a waiting sequence holds no memory
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        seq.finish("abort")
 
     def postprocess(self, batch: ScheduledBatch, token_ids: list, eos_ids) -> list[Sequence]:
         """Append each sampled token; finish and release sequences that are done.
@@ -142,7 +142,7 @@ class Scheduler:
             seq.append_token(token_id)
             reason = finish_reason(seq, token_id, eos_ids, self.config.max_model_len)
             if reason is not None:
-                seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+                seq.finish(reason)
                 self.manager.deallocate(seq)
                 self.running.remove(seq)
                 finished.append(seq)
