@@ -43,7 +43,7 @@ class KVCacheManager(Protocol):
       deallocate(seq)                                 finish or preemption: releases its memory
     Predicates change nothing. `check_invariants()` raises AssertionError on inconsistent books.
     A manager writes where seq's K/V lives and nothing else of seq: the scheduler keeps
-    `num_cached_tokens` (it sets it from allocate's answer, and to 0 when it deallocates).
+    `num_cached_tokens` (it sets it from allocate's answer, and to 0 in `Scheduler.free`).
     """
 
     def check_fits(self, num_prompt_tokens: int, max_num_tokens: int) -> None: ...

@@ -8,7 +8,7 @@ tensors: sharing a block means two block tables hold the same id.
 
     A = [11 12 13 14 | 21 22 23 24 | 31 32 33]     table [0, 1, 2]    hashed: 0, 1
     B = [11 12 13 14 | 51 52 53 54 | 61 62 63 64 | 71]
-         '- h0 -> block 0 (A's; ref 2)            table [0, 3, 4, 5]  num_cached_tokens 4
+         '- h0 -> block 0 (A's; ref 2)            table [0, 3, 4, 5]  allocate returns 4
 """
 
 from __future__ import annotations

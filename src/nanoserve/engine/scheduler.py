@@ -1,9 +1,9 @@
 """The scheduler: which sequences run in the next step, and whether it is a prefill or a decode.
 
 Introduced in stage 00; unchanged in spirit since. Memory is the cache manager's business
-(`can_allocate/allocate/can_append/may_append/deallocate`); the scheduler only asks. A step is
-all-prefill or all-decode (never mixed), as in nano-vLLM; with enable_chunked_prefill a long
-prompt is prefilled over several steps, a budget's worth at a time.
+(`can_allocate/allocate/can_append/may_append/deallocate`); the scheduler asks, and keeps
+`num_cached_tokens` itself (from allocate's answer). A step is all-prefill or all-decode, as in
+nano-vLLM; with enable_chunked_prefill a long prompt is prefilled over several steps.
 """
 
 from __future__ import annotations
