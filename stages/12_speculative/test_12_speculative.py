@@ -81,6 +81,26 @@ def test_task_1_nothing_shorter_than_min_n_proposes(impl):
     assert got == [], f"min_n 2: no suffix of 2 or 3 tokens occurs earlier; proposed {got}"
 
 
+def test_task_1_only_the_newest_2048_tokens_are_searched(impl):
+    window, n = 2048, 2098
+    distinct = list(range(1000, 1000 + n))  # nothing repeats but what each case plants
+    inside = list(distinct)
+    inside[n - window] = inside[-1]  # the newest token again, at the window's first position
+    got = lookup(impl, inside, k=3, max_n=1)
+    want = inside[n - window + 1 : n - window + 4]
+    assert got == want, (
+        f"{n} tokens whose newest also sits at position {n - window}, the first of the newest "
+        f"{window}: the lookup must find it and propose {want}; proposed {got}"
+    )
+    outside = list(distinct)
+    outside[n - window - 1] = outside[-1]  # one token further back: outside the window
+    got = lookup(impl, outside, k=3, max_n=1)
+    assert got == [], (
+        f"{n} tokens whose newest also sits at position {n - window - 1}, just before the newest "
+        f"{window}: only those are searched, so nothing is proposed; proposed {got}"
+    )
+
+
 # ---- task 2: the rejection rule ----
 
 

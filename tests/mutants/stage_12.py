@@ -47,6 +47,19 @@ MUTANTS = (
         "propose_ngram",
         ("lengths.max() < min_n", "lengths.max() < 1"),
     ),
+    mutant(
+        "ngram_whole_history",
+        "the whole sequence is searched, not the newest 2,048 tokens: a suffix seen only long ago "
+        "proposes, and the host's work grows with the sequence",
+        "propose_ngram",
+        ("np.asarray(token_ids[-LOOKUP_WINDOW:])", "np.asarray(token_ids)"),
+    ),
+    mutant(
+        "ngram_window_before_the_suffix",
+        "the window is the 2,048 tokens before the newest one: it reaches one token too far back",
+        "propose_ngram",
+        ("np.asarray(token_ids[-LOOKUP_WINDOW:])", "np.asarray(token_ids[-LOOKUP_WINDOW - 1 :])"),
+    ),
     # ---- the rule ----
     mutant(
         "accept_after_a_rejection",
