@@ -136,8 +136,10 @@ class SpeculativeEngine(SpeculativeEngineBase):
         step: `return super().step()`. Otherwise resolve the step in flight first (`finished =
         self.drain()`), and return what it finished with this step's. Note
         `self.scheduler.num_preemptions` before scheduling (the trace counts the step's
-        preemptions), then `self.scheduler.schedule()`; an empty batch is a bug unless the drain
-        finished the last requests: raise RuntimeError. A decode batch gets its guesses
+        preemptions), then `self.scheduler.schedule()`. An empty batch returns what the drain
+        finished (it may have finished the last requests); if the drain finished nothing and
+        requests still wait or run (`self.scheduler.is_finished()` is False), nothing could
+        ever run them: raise RuntimeError. A decode batch gets its guesses
         (`self.propose(batch)`); if any sequence took one, verify the batch (`self.verify(...)`:
         it also counts the stats) and accept what it gained. Anything else (a prefill, or a
         decode where nobody guessed) runs as a stage 11 step that is resolved at once:

@@ -556,6 +556,43 @@ def test_task_4_your_whole_stage_with_your_lookup_gives_stage_11s_tokens(
     assert stats.num_accepted > 0, f"these completions repeat, yet no guess was kept: {stats}"
 
 
+def test_task_4_a_call_whose_drain_finishes_the_last_request_returns_it(
+    impl, tiny_llama_folder, stage_11
+):
+    # Nothing to guess: the request backs off, so its last token is launched by an overlapped
+    # (stage 11) step, and the next call that may guess drains it and finds an empty batch.
+    llm = speculative(tiny_llama_folder, impl, lambda token_ids, k, max_n, min_n: [])
+    engine = llm.engine
+    seq = engine.add_request(prompts()[1], SamplingParams(max_tokens=3, ignore_eos=True))
+    calls: list[tuple[list[int], int]] = []  # per call: what it returned, the steps it launched
+    while engine.has_unfinished() and len(calls) < 10:
+        num_steps = engine.num_steps
+        calls.append(([s.seq_id for s in engine.step()], engine.num_steps - num_steps))
+    assert seq.completion_token_ids == stage_11["plenty"][1][:3]
+    assert calls[-1] == ([seq.seq_id], 0), (
+        f"(requests returned, steps launched) per call: {calls}. The last call drains the step "
+        f"that made request {seq.seq_id}'s last token; its batch is then empty, and it returns "
+        "what the drain finished"
+    )
+
+
+def test_task_4_a_call_that_can_run_nothing_while_a_request_waits_raises(
+    impl, tiny_llama_folder, stage_11
+):
+    llm = speculative(tiny_llama_folder, impl, Oracle(stage_11["plenty"], right=True))
+    engine = llm.engine
+    seq = engine.add_request(prompts()[1], GREEDY)
+    engine.step()  # its prefill; from the next call on it may guess
+    engine.scheduler.schedule = lambda: ScheduledBatch([], is_prefill=False)  # as if none could run
+    with pytest.raises(RuntimeError):
+        engine.step()
+        pytest.fail(
+            f"the scheduler gave an empty batch, the drain finished nothing and request "
+            f"{seq.seq_id} is still running: nothing could ever run it, and step() must raise "
+            "RuntimeError instead of returning (a loop would spin forever)"
+        )
+
+
 @pytest.mark.gpu
 def test_task_4_on_a_gpu_the_loop_gives_stage_11s_tokens(impl, tiny_llama_folder):
     options = dict(device="cuda", num_kv_blocks=64, attention_backend="triton", **ENGINE)
