@@ -132,9 +132,17 @@ def test_reference_and_starter_load_the_same_names():
     assert ref.BlockAllocator.__module__ == "nanoserve.engine.allocator"
 
 
+# A learner's stage-02 file: its own BlockAllocator (a file of nothing but the reference's objects
+# is refused: tests/test_impl_refusal.py).
+MINE = (
+    "from nanoserve.engine.allocator import BlockAllocator as Reference, OutOfBlocks\n"
+    "class BlockAllocator(Reference):\n    pass\n"
+)
+
+
 def test_a_learner_file_is_loaded_by_path_relative_or_absolute(tmp_path, monkeypatch):
     mine = tmp_path / "mine.py"
-    mine.write_text("from nanoserve.engine.allocator import BlockAllocator, OutOfBlocks\n")
+    mine.write_text(MINE)
     monkeypatch.chdir(tmp_path)
     assert grading.normalize_impl("mine.py") == str(mine.resolve())
     assert grading.load_impl(2, "mine.py").BlockAllocator(3).allocate(2) == [0, 1]
@@ -153,9 +161,7 @@ def test_an_impl_that_does_not_exist_is_refused_clearly(impl):
 
 
 def test_a_relative_path_is_taken_from_base_a_file_or_a_folder(tmp_path, monkeypatch):
-    (tmp_path / "mine.py").write_text(
-        "from nanoserve.engine.allocator import BlockAllocator, OutOfBlocks\n"
-    )
+    (tmp_path / "mine.py").write_text(MINE)
     monkeypatch.chdir(tmp_path.parent)  # somewhere else: mine.py is not in the working directory
     with pytest.raises(grading.ImplementationError, match="no such file"):
         grading.load_impl(2, "mine.py")

@@ -2,8 +2,8 @@
 
 Introduced in stage 00. A stage's API is the set of public names its `starter.py` defines; the
 stage's table in `learner_api.py` maps the same names to the reference objects, so any of them
-can stand in for the others. It loads implementations and nothing more:
-running the tests is `nanoserve.check`'s job.
+can stand in for the others. It loads implementations and nothing more (refusing one whose
+every API name is the reference's own object): running the tests is `nanoserve.check`'s job.
 """
 
 from __future__ import annotations
@@ -106,7 +106,30 @@ def load_impl(
             f"--impl {impl} does not define {', '.join(missing)}; stage {stage.stem} needs every "
             f"name its starter defines ({', '.join(names)}). Copy {stage.starter} and fill it in."
         )
-    return types.SimpleNamespace(**{n: getattr(module, n) for n in names})
+    api = {n: getattr(module, n) for n in names}
+    _refuse_the_reference(stage_number, impl, api)
+    return types.SimpleNamespace(**api)
+
+
+def reference_module(obj: object) -> str | None:
+    """The nanoserve module that defines obj (the reference's own object), else None."""
+    module = getattr(obj, "__module__", None) or ""
+    return module if module == "nanoserve" or module.startswith("nanoserve.") else None
+
+
+def _refuse_the_reference(stage_number: int, impl: str, api: dict[str, object]) -> None:
+    """ImplementationError, one line, when every API object is the reference's own: such a
+    file (`from nanoserve... import *`) would have the reference graded in its author's name."""
+    homes = {name: reference_module(obj) for name, obj in api.items()}
+    if not all(homes.values()):
+        return
+    stage = get_stage(stage_number)
+    name = next(iter(api))
+    raise ImplementationError(
+        f"--impl {impl} defines none of stage {stage.stem}'s API itself: {name} is the "
+        f"reference's own ({homes[name]}.{name}), and so is every other name. Copy "
+        f"{stage.starter} and fill it in."
+    )
 
 
 def import_impl(impl: str, base: str | os.PathLike | None = None) -> types.ModuleType:

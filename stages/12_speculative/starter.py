@@ -35,6 +35,8 @@ from nanoserve.types import ScheduledBatch, Sequence, SequenceStatus  # noqa: F4
 
 # ---- task 1: the n-gram lookup ----
 
+LOOKUP_WINDOW = 2048  # only the newest tokens are searched: the host's cost stays bounded
+
 
 def propose_ngram(token_ids: list[int], k: int, max_n: int, min_n: int) -> list[int]:
     """Up to k tokens that followed the newest earlier occurrence of the sequence's last n tokens,
@@ -43,6 +45,10 @@ def propose_ngram(token_ids: list[int], k: int, max_n: int, min_n: int) -> list[
     "Earlier" means the occurrence starts before the suffix itself does (the suffix always
     matches itself, and nothing follows it). The newest occurrence wins; a longer suffix wins
     over a shorter one. Fewer than k tokens come back when the sequence ends first.
+
+    Only the newest LOOKUP_WINDOW (2,048) tokens are searched, `token_ids[-LOOKUP_WINDOW:]`, the
+    suffix included: an occurrence that starts before them does not count, so the host's work
+    per step stays bounded however long the sequence grows.
 
         tokens 5 8 2 7 9 8 2 7, k = 3, n = 2: suffix [2, 7] also at 2..3 -> propose [9, 8, 2]
     """
@@ -130,8 +136,10 @@ class SpeculativeEngine(SpeculativeEngineBase):
         step: `return super().step()`. Otherwise resolve the step in flight first (`finished =
         self.drain()`), and return what it finished with this step's. Note
         `self.scheduler.num_preemptions` before scheduling (the trace counts the step's
-        preemptions), then `self.scheduler.schedule()`; an empty batch is a bug unless the drain
-        finished the last requests: raise RuntimeError. A decode batch gets its guesses
+        preemptions), then `self.scheduler.schedule()`. An empty batch returns what the drain
+        finished (it may have finished the last requests); if the drain finished nothing and
+        requests still wait or run (`self.scheduler.is_finished()` is False), nothing could
+        ever run them: raise RuntimeError. A decode batch gets its guesses
         (`self.propose(batch)`); if any sequence took one, verify the batch (`self.verify(...)`:
         it also counts the stats) and accept what it gained. Anything else (a prefill, or a
         decode where nobody guessed) runs as a stage 11 step that is resolved at once:

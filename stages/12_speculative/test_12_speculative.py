@@ -81,6 +81,26 @@ def test_task_1_nothing_shorter_than_min_n_proposes(impl):
     assert got == [], f"min_n 2: no suffix of 2 or 3 tokens occurs earlier; proposed {got}"
 
 
+def test_task_1_only_the_newest_2048_tokens_are_searched(impl):
+    window, n = 2048, 2098
+    distinct = list(range(1000, 1000 + n))  # nothing repeats but what each case plants
+    inside = list(distinct)
+    inside[n - window] = inside[-1]  # the newest token again, at the window's first position
+    got = lookup(impl, inside, k=3, max_n=1)
+    want = inside[n - window + 1 : n - window + 4]
+    assert got == want, (
+        f"{n} tokens whose newest also sits at position {n - window}, the first of the newest "
+        f"{window}: the lookup must find it and propose {want}; proposed {got}"
+    )
+    outside = list(distinct)
+    outside[n - window - 1] = outside[-1]  # one token further back: outside the window
+    got = lookup(impl, outside, k=3, max_n=1)
+    assert got == [], (
+        f"{n} tokens whose newest also sits at position {n - window - 1}, just before the newest "
+        f"{window}: only those are searched, so nothing is proposed; proposed {got}"
+    )
+
+
 # ---- task 2: the rejection rule ----
 
 
@@ -534,6 +554,43 @@ def test_task_4_your_whole_stage_with_your_lookup_gives_stage_11s_tokens(
     assert_same_tokens(run(llm, GREEDY), stage_11["plenty"], "your propose_ngram's guesses")
     stats = llm.engine.speculation
     assert stats.num_accepted > 0, f"these completions repeat, yet no guess was kept: {stats}"
+
+
+def test_task_4_a_call_whose_drain_finishes_the_last_request_returns_it(
+    impl, tiny_llama_folder, stage_11
+):
+    # Nothing to guess: the request backs off, so its last token is launched by an overlapped
+    # (stage 11) step, and the next call that may guess drains it and finds an empty batch.
+    llm = speculative(tiny_llama_folder, impl, lambda token_ids, k, max_n, min_n: [])
+    engine = llm.engine
+    seq = engine.add_request(prompts()[1], SamplingParams(max_tokens=3, ignore_eos=True))
+    calls: list[tuple[list[int], int]] = []  # per call: what it returned, the steps it launched
+    while engine.has_unfinished() and len(calls) < 10:
+        num_steps = engine.num_steps
+        calls.append(([s.seq_id for s in engine.step()], engine.num_steps - num_steps))
+    assert seq.completion_token_ids == stage_11["plenty"][1][:3]
+    assert calls[-1] == ([seq.seq_id], 0), (
+        f"(requests returned, steps launched) per call: {calls}. The last call drains the step "
+        f"that made request {seq.seq_id}'s last token; its batch is then empty, and it returns "
+        "what the drain finished"
+    )
+
+
+def test_task_4_a_call_that_can_run_nothing_while_a_request_waits_raises(
+    impl, tiny_llama_folder, stage_11
+):
+    llm = speculative(tiny_llama_folder, impl, Oracle(stage_11["plenty"], right=True))
+    engine = llm.engine
+    seq = engine.add_request(prompts()[1], GREEDY)
+    engine.step()  # its prefill; from the next call on it may guess
+    engine.scheduler.schedule = lambda: ScheduledBatch([], is_prefill=False)  # as if none could run
+    with pytest.raises(RuntimeError):
+        engine.step()
+        pytest.fail(
+            f"the scheduler gave an empty batch, the drain finished nothing and request "
+            f"{seq.seq_id} is still running: nothing could ever run it, and step() must raise "
+            "RuntimeError instead of returning (a loop would spin forever)"
+        )
 
 
 @pytest.mark.gpu

@@ -8,6 +8,10 @@ from tests.mutants import Mutant
 
 NO_ROOM = "if not self.manager.can_append(seq):\n    return False"
 DROP_GUESSES = "del seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens :]"
+EMPTY_BATCH = (
+    "if finished or self.scheduler.is_finished():\n    return finished\n"
+    "raise RuntimeError('scheduler produced an empty batch with requests pending')"
+)
 
 
 def mutant(name: str, bug: str, target: str, *edits: tuple[str, str]) -> Mutant:
@@ -46,6 +50,19 @@ MUTANTS = (
         "n runs down to 1 whatever min_n says",
         "propose_ngram",
         ("lengths.max() < min_n", "lengths.max() < 1"),
+    ),
+    mutant(
+        "ngram_whole_history",
+        "the whole sequence is searched, not the newest 2,048 tokens: a suffix seen only long ago "
+        "proposes, and the host's work grows with the sequence",
+        "propose_ngram",
+        ("np.asarray(token_ids[-LOOKUP_WINDOW:])", "np.asarray(token_ids)"),
+    ),
+    mutant(
+        "ngram_window_before_the_suffix",
+        "the window is the 2,048 tokens before the newest one: it reaches one token too far back",
+        "propose_ngram",
+        ("np.asarray(token_ids[-LOOKUP_WINDOW:])", "np.asarray(token_ids[-LOOKUP_WINDOW - 1 :])"),
     ),
     # ---- the rule ----
     mutant(
@@ -197,5 +214,19 @@ MUTANTS = (
             "return finished + self.scheduler.accept(batch, verified.token_ids, self.eos_ids)",
             "return self.scheduler.accept(batch, verified.token_ids, self.eos_ids)",
         ),
+    ),
+    mutant(
+        "empty_batch_always_raises",
+        "an empty batch always raises, as stage 09's loop did: the call whose drain finished the "
+        "last request raises instead of returning it",
+        "SpeculativeEngine.step",
+        (EMPTY_BATCH, "raise RuntimeError('scheduler produced an empty batch')"),
+    ),
+    mutant(
+        "empty_batch_never_raises",
+        "an empty batch returns what the drain finished, even nothing while requests wait: an "
+        "engine that can run nothing spins forever instead of failing",
+        "SpeculativeEngine.step",
+        (EMPTY_BATCH, "return finished"),
     ),
 )
