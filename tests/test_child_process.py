@@ -22,6 +22,11 @@ from nanoserve.child_process import (
     stop_all,
 )
 
+# A child's exit status is what these tests check, so it is given this long to exit before
+# stop_all terminates it: a polite stop returns as soon as the child is gone, and on a busy
+# machine a fresh interpreter may take longer than stop_all's default 5 s to wind down.
+EXIT_GRACE_S = 60
+
 
 def echo_until_stop(conn, info) -> None:
     conn.send(Ready(info))
@@ -57,7 +62,7 @@ def test_a_child_says_ready_answers_and_exits_cleanly_when_asked_to_stop():
     assert child.receive(Ready, timeout_s=60, doing="start").info == "hello"
     assert broadcast([child], [1] * 1000) > 1000
     assert child.receive(tuple, timeout_s=60) == ("echo", [1] * 1000)
-    stop_all([child])
+    stop_all([child], timeout_s=EXIT_GRACE_S)
     assert child.process.exitcode == 0
 
 
@@ -65,7 +70,7 @@ def test_a_child_that_raises_leaves_its_traceback_as_its_last_word():
     child = ChildProcess(raise_at_once, (), name="worker 3")
     with pytest.raises(ChildDied, match=r"(?s)worker 3 failed:\n.*ValueError: the model file"):
         child.receive(Ready, timeout_s=60)
-    stop_all([child], polite=False)
+    stop_all([child], polite=False, timeout_s=EXIT_GRACE_S)
     assert child.process.exitcode == 1
 
 
@@ -93,7 +98,7 @@ def test_a_child_exits_when_its_parent_is_killed():
     grandchild_pid = parent.receive(Ready, timeout_s=60).info
     os.kill(parent.process.pid, signal.SIGKILL)
     stop_all([parent])
-    deadline = time.monotonic() + 10  # its watch thread notices within moments
+    deadline = time.monotonic() + EXIT_GRACE_S  # its watch thread notices within moments
     while is_running(grandchild_pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     if is_running(grandchild_pid):
@@ -112,5 +117,5 @@ def test_a_ctrl_c_while_a_child_still_imports_does_not_reach_it():
     os.kill(child.process.pid, signal.SIGINT)  # and once it runs
     child.send("still there?")
     assert child.receive(tuple, timeout_s=30) == ("echo", "still there?")
-    stop_all([child])
+    stop_all([child], timeout_s=EXIT_GRACE_S)
     assert child.process.exitcode == 0

@@ -245,13 +245,19 @@ def test_ctrl_c_ends_a_command_with_130_and_no_traceback(capsys, monkeypatch):
 
 def test_a_closed_pipe_ends_a_command_with_141_and_no_traceback():
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "nanoserve", "stages"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=env,
-    )
-    process.stdout.close()  # like `| head -0`: nobody reads
+    # like `| head -0`, but closed before the command starts: had it been closed after, a
+    # command quick to write its few lines into the pipe's buffer could have exited 0 first
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "nanoserve", "stages"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            env=env,
+        )
+    finally:
+        os.close(write_end)  # the command's copy is the only one left
     stderr = process.stderr.read().decode()
     assert process.wait(60) == 141, stderr
     assert "Traceback" not in stderr and "BrokenPipeError" not in stderr

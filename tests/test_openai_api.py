@@ -9,6 +9,7 @@ stream_options without stream. Every error names the field as the client wrote i
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
@@ -16,7 +17,13 @@ import threading
 import pytest
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.testing import ServerThread, save_tiny_chat_model
+from nanoserve.testing import (
+    ServerThread,
+    held,
+    most_completion_tokens,
+    save_tiny_chat_model,
+    signalling,
+)
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
@@ -40,9 +47,16 @@ def offline(folder):
 
 
 @pytest.fixture(scope="module")
-def url(folder):
-    with ServerThread(create_app(LLM(folder, **ENGINE), MODEL)) as base_url:
-        yield base_url
+def served(folder):
+    """(base URL, the app) of a server of the newest stage that lives for the whole module."""
+    app = create_app(LLM(folder, **ENGINE), MODEL)
+    with ServerThread(app) as base_url:
+        yield base_url, app
+
+
+@pytest.fixture(scope="module")
+def url(served):
+    return served[0]
 
 
 @pytest.fixture
@@ -288,18 +302,31 @@ def counter(url: str, name: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-def test_a_batch_whose_client_hangs_up_or_whose_prompt_is_refused_leaves_nothing_running(url):
+def test_a_batch_whose_client_hangs_up_or_whose_prompt_is_refused_leaves_nothing_running(
+    served, monkeypatch
+):
+    url, app = served
+    loop, engine = app.state.served.loop, app.state.served.loop.engine
+    all_aborted = threading.Event()
+    monkeypatch.setattr(loop, "abort", signalling(loop.abort, all_aborted, times=3))
+    # from a choice's 12th token on, a step waits until the server has aborted all three: the
+    # client's four tokens come long before, and however late the server notices the hang-up,
+    # no choice runs on meanwhile
+    held_step = held(engine.step, all_aborted, lambda: most_completion_tokens(engine) >= 12)
+    monkeypatch.setattr(engine, "step", held_step)
     aborts, tokens = 'requests_total{finish_reason="abort"}', "generation_tokens_total"
     before = {name: counter(url, name) for name in (aborts, tokens)}
     body = {"model": MODEL, "prompt": [[1, 2], [3, 4], [5, 6]], "max_tokens": 80}
     body |= {"ignore_eos": True, "stream": True, "temperature": 0}
-    num_chunks = 0
+    num_tokens = 0
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=TIMEOUT) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
-            num_chunks += line.startswith("data: {")
-            if num_chunks == 4:
+            if line.startswith("data: {"):
+                num_tokens += len(json.loads(line[6:])["choices"][0]["token_ids"])
+            if num_tokens >= 4:  # tokens, not chunks: a chunk may carry several
                 break  # leaving the block closes the connection mid-stream
+    assert all_aborted.wait(TIMEOUT), "the hang-up did not abort the batch's three choices"
     refused = post(url, "/v1/completions", {**body, "prompt": [[1, 2], [7] * 100], "stream": False})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt[1]"
     for _ in range(int(TIMEOUT / 0.01)):

@@ -33,7 +33,7 @@ def computed(manager, seq, num_tokens=None) -> None:
 def admitted(manager, token_ids) -> Sequence:
     seq = seq_of(token_ids)
     assert manager.can_allocate(seq)
-    manager.allocate(seq)
+    seq.num_cached_tokens = manager.allocate(seq)  # as the scheduler admits it
     manager.check_invariants()
     return seq
 
@@ -58,7 +58,7 @@ def test_seed_prompt_b_shares_a_first_page_and_computes_only_its_suffix(seed):
     b = seq_of(B)
     admission = manager.can_allocate(b)
     assert admission.fits and admission.num_cached_blocks == 1
-    manager.allocate(b)
+    b.num_cached_tokens = manager.allocate(b)
     assert b.block_table == [0, 3, 4, 5]
     assert manager.ref_counts[0] == 2 and b.num_cached_tokens == 4
     step = prepare_prefill([b], 4, "cpu")
@@ -286,6 +286,6 @@ def test_a_remembered_admission_is_not_reused_once_its_blocks_hold_other_content
     assert manager.can_allocate(again).num_cached_blocks == 2
     other = admitted(manager, [90 + i for i in range(16)])  # takes every free block: cache gone
     manager.deallocate(other)
-    manager.allocate(again)  # the hits can_allocate saw are gone: found anew, none cached
-    assert again.num_cached_tokens == 0
+    cached = manager.allocate(again)  # the hits can_allocate saw are gone: found anew, none
+    assert cached == 0
     manager.check_invariants()

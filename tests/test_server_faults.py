@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import logging
 import os
 import signal
 import socket
@@ -21,7 +22,13 @@ from urllib.parse import urlsplit
 import pytest
 
 from nanoserve import LLM
-from nanoserve.testing import ServerThread, save_tiny_chat_model
+from nanoserve.testing import (
+    ServerThread,
+    held,
+    most_completion_tokens,
+    save_tiny_chat_model,
+    signalling,
+)
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
@@ -52,15 +59,12 @@ def url(llm):
         yield base_url
 
 
-def slowed(llm: LLM, monkeypatch, seconds: float = 0.02) -> None:
-    """Make every engine step take at least `seconds`, so requests stay in flight a while."""
-    step = llm.engine.step
-
-    def slow_step():
-        time.sleep(seconds)
-        return step()
-
-    monkeypatch.setattr(llm.engine, "step", slow_step)
+def wait_until(condition, what: str) -> None:
+    """Poll `condition` until it holds: the server acts on its own thread. TIMEOUT at most."""
+    deadline = time.monotonic() + TIMEOUT
+    while not condition():
+        assert time.monotonic() < deadline, f"{TIMEOUT} s passed and still not: {what}"
+        time.sleep(0.01)
 
 
 def raw_post(conn: http.client.HTTPConnection, path: str, body: str, headers=None):
@@ -156,7 +160,8 @@ def test_a_long_prompt_is_tokenised_off_the_event_loop(llm, monkeypatch):
         response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=TIMEOUT)
         assert response.status_code == 400  # too long for the engine: tokenised, then refused
         short = {"model": MODEL, "prompt": "ab", "max_tokens": 1}
-        assert httpx.post(f"{base_url}/v1/completions", json=short).status_code == 200
+        response = httpx.post(f"{base_url}/v1/completions", json=short, timeout=TIMEOUT)
+        assert response.status_code == 200
     long_thread, short_thread = threads
     assert short_thread.name == "uvicorn-test", "a short prompt stays on the event loop"
     assert long_thread is not short_thread, "the long one went to a worker thread"
@@ -175,7 +180,8 @@ def test_past_the_queue_limit_a_request_is_a_503_with_retry_after(llm):
         assert full.status_code == 503 and full.headers["retry-after"] == "1"
         assert full.json()["error"]["code"] == "server_busy"
         loop.stats = EngineStats(num_running=64, num_waiting=2)
-        assert httpx.post(f"{base_url}/v1/completions", json=body).status_code == 200
+        response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=TIMEOUT)
+        assert response.status_code == 200
 
 
 # ---- the socket limits ----
@@ -196,14 +202,16 @@ def read_all(sock: socket.socket) -> bytes:
 
 
 def test_connections_past_the_limit_are_answered_503_and_closed(llm):
-    app = create_app(llm, MODEL, limits=ServerLimits(max_connections=2))
-    with ServerThread(app) as base_url:
+    server = ServerThread(create_app(llm, MODEL, limits=ServerLimits(max_connections=2)))
+    with server as base_url:
+        connections = server.server.server_state.connections  # what the limit counts
+
         idle = [open_socket(base_url) for _ in range(2)]
-        time.sleep(0.1)  # both accepted
+        wait_until(lambda: len(connections) == 2, "both idle sockets accepted")
         refused = read_all(open_socket(base_url))
         assert refused.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in refused
         idle[0].close()
-        time.sleep(0.1)
+        wait_until(lambda: len(connections) == 1, "the closed and the refused socket gone")
         assert httpx.get(f"{base_url}/health", timeout=TIMEOUT).status_code == 200
         idle[1].close()
 
@@ -211,7 +219,6 @@ def test_connections_past_the_limit_are_answered_503_and_closed(llm):
 def test_slow_headers_and_a_slow_body_are_answered_408_and_closed(llm):
     limits = ServerLimits(header_timeout_s=0.3, body_timeout_s=0.3)
     with ServerThread(create_app(llm, MODEL, limits=limits)) as base_url:
-        started = time.monotonic()
         silent = open_socket(base_url)  # never sends a byte
         partial = open_socket(base_url)
         partial.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")  # no blank line yet
@@ -220,14 +227,22 @@ def test_slow_headers_and_a_slow_body_are_answered_408_and_closed(llm):
             b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
             b'content-length: 100\r\n\r\n{"model"'
         )
-        for sock in (silent, partial, slow_body):
-            assert read_all(sock).startswith(b"HTTP/1.1 408")
-        assert time.monotonic() - started < 5
-        kept = connect(base_url)  # a client that keeps up is not timed out between requests
-        for _ in range(2):
+        # the message names the limit that fired: these 0.3 s ones, not the defaults (10 s, 30 s)
+        for sock, words in [
+            (silent, b"no complete request headers within 0.3 s"),
+            (partial, b"no complete request headers within 0.3 s"),
+            (slow_body, b"the request body did not arrive within 0.3 s"),
+        ]:
+            answer = read_all(sock)
+            assert answer.startswith(b"HTTP/1.1 408") and words in answer, answer
+        # a client that keeps up is not timed out between requests: the clock starts again after
+        # each response. Back to back (a round trip apart, not a sleep that eats the 0.3 s), for
+        # two header timeouts in all: a clock that ran from the connection would have fired.
+        kept = connect(base_url)
+        opened = time.monotonic()
+        while time.monotonic() - opened < 2 * limits.header_timeout_s:
             kept.request("GET", "/health")
             assert kept.getresponse().read() == b'{"status":"ok"}'
-            time.sleep(0.2)
 
 
 # ---- API keys: checked first, from a file or the environment, never empty ----
@@ -244,11 +259,11 @@ def test_a_wrong_key_is_a_401_before_the_body_is_read_and_the_schema_is_guarded(
         assert answer.startswith(b"HTTP/1.1 401") and b"invalid_api_key" in answer
         bad_json = httpx.post(f"{base_url}/v1/completions", content=b"{", timeout=TIMEOUT)
         assert bad_json.status_code == 401
-        assert httpx.get(f"{base_url}/openapi.json").status_code == 401
-        keyed = {"Authorization": "Bearer s3cret"}
-        assert httpx.get(f"{base_url}/openapi.json", headers=keyed).status_code == 200
-        assert httpx.get(f"{base_url}/docs", headers=keyed).status_code == 404  # off
-        assert httpx.get(f"{base_url}/health").status_code == 200
+        assert httpx.get(f"{base_url}/openapi.json", timeout=TIMEOUT).status_code == 401
+        keyed = dict(headers={"Authorization": "Bearer s3cret"}, timeout=TIMEOUT)
+        assert httpx.get(f"{base_url}/openapi.json", **keyed).status_code == 200
+        assert httpx.get(f"{base_url}/docs", **keyed).status_code == 404  # off
+        assert httpx.get(f"{base_url}/health", timeout=TIMEOUT).status_code == 200
 
 
 def test_an_empty_api_key_is_refused(llm):
@@ -349,10 +364,21 @@ STREAM = {"model": MODEL, "prompt": "hi", "max_tokens": 90, "ignore_eos": True, 
 def test_a_server_told_to_stop_ends_every_request_with_abort_and_every_stream_with_done(
     folder, monkeypatch
 ):
-    llm = LLM(folder, stage=10, max_num_seqs=2, **ENGINE)  # two run, one waits
-    slowed(llm, monkeypatch)
-    server = ServerThread(create_app(llm, MODEL))
+    llm = LLM(folder, stage=10, max_num_seqs=2, **ENGINE)  # two run, two wait
+    app = create_app(llm, MODEL)
+    loop = app.state.served.loop
+    all_queued, stopping = threading.Event(), threading.Event()
+    monkeypatch.setattr(loop, "add_request", signalling(loop.add_request, all_queued, times=4))
+    monkeypatch.setattr(loop, "request_stop", signalling(loop.request_stop, stopping))
+    # The engine's first step waits until all four requests are queued, and from a request's
+    # third token on, each step waits until the server is told to stop: whatever the machine's
+    # pace, every request is in the engine when the stop comes and none has finished.
+    step = held(llm.engine.step, all_queued)
+    step = held(step, stopping, when=lambda: most_completion_tokens(llm.engine) >= 3)
+    monkeypatch.setattr(llm.engine, "step", step)
+    server = ServerThread(app)
     base_url = server.__enter__()
+    uvicorn_errors = ErrorRecords("uvicorn.error")  # its logger does not propagate to pytest's
 
     async def whole(body: dict) -> dict:
         async with httpx.AsyncClient(base_url=base_url, timeout=TIMEOUT) as http:
@@ -364,22 +390,41 @@ def test_a_server_told_to_stop_ends_every_request_with_abort_and_every_stream_wi
             asyncio.ensure_future(stream_until_done(base_url, STREAM, first)) for _ in range(3)
         ]
         not_streamed = asyncio.ensure_future(whole({**STREAM, "stream": False}))
-        await first.wait()
-        started = time.monotonic()
+        await first.wait()  # a stream has a token; and all four are in the engine:
+        while loop.stats.num_running + loop.stats.num_waiting < 4:
+            await asyncio.sleep(0.01)
         await asyncio.to_thread(server.__exit__)
-        results = await asyncio.gather(*streams, not_streamed)
-        return results, time.monotonic() - started
+        return await asyncio.gather(*streams, not_streamed)
 
-    results, seconds = asyncio.run(
-        asyncio.wait_for(three_streams_and_a_whole_one_then_stop(), TIMEOUT)
-    )
+    with uvicorn_errors:
+        results = asyncio.run(asyncio.wait_for(three_streams_and_a_whole_one_then_stop(), TIMEOUT))
     *streamed, not_streamed = results
     for lines in streamed:
         assert_aborted_with_done(lines)
     assert not_streamed["choices"][0]["finish_reason"] == "abort"
-    assert seconds < 3, f"the server took {seconds:.1f} s to stop"
+    # at once: nothing was left for uvicorn to cancel when its grace period ran out (which a
+    # wall clock would tell only on a machine that is not busy)
+    assert uvicorn_errors.messages == [], uvicorn_errors.messages
     assert llm.engine.scheduler.is_finished()
     assert llm.engine.manager.num_free_blocks == llm.engine.manager.num_blocks
+
+
+class ErrorRecords(logging.Handler):
+    """The messages of the errors a logger logs inside a `with` block."""
+
+    def __init__(self, logger_name: str):
+        super().__init__(logging.ERROR)
+        self.logger, self.messages = logging.getLogger(logger_name), []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def __enter__(self) -> ErrorRecords:
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.logger.removeHandler(self)
 
 
 def free_port() -> int:

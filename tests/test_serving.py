@@ -21,7 +21,13 @@ import threading
 import pytest
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.testing import ServerThread, save_tiny_chat_model
+from nanoserve.testing import (
+    ServerThread,
+    held,
+    most_completion_tokens,
+    save_tiny_chat_model,
+    signalling,
+)
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
@@ -181,8 +187,9 @@ def test_a_stop_token_id_finishes_the_request_at_that_token(client, offline):
 
 
 async def stream_tokens(http, prompt, max_tokens: int, hang_up_after: int | None) -> list[int]:
-    """Stream one completion's token ids; with hang_up_after, close the connection after that
-    many chunks with tokens (a client that disconnects)."""
+    """Stream one completion's token ids; with hang_up_after, close the connection once that
+    many tokens have come (a client that disconnects). Tokens, not chunks: a reader that falls
+    behind gets several tokens in one chunk, so a count of chunks may never be reached."""
     body = {
         "model": MODEL,
         "prompt": prompt,
@@ -191,16 +198,14 @@ async def stream_tokens(http, prompt, max_tokens: int, hang_up_after: int | None
         "ignore_eos": True,
         "stream": True,
     }
-    ids, num_chunks = [], 0
+    ids = []
     async with http.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200, await response.aread()
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            new = json.loads(line[6:])["choices"][0]["token_ids"]
-            ids += new
-            num_chunks += bool(new)
-            if hang_up_after is not None and num_chunks >= hang_up_after:
+            ids += json.loads(line[6:])["choices"][0]["token_ids"]
+            if hang_up_after is not None and len(ids) >= hang_up_after:
                 break  # leaving the block closes the connection mid-stream
     return ids
 
@@ -278,9 +283,16 @@ def test_a_reader_that_falls_behind_gets_the_joined_deltas_logprobs_in_order():
     assert asyncio.run(main()) == TokenDelta([5, 6, 7], "stop", [first, second, third])
 
 
-def test_a_client_that_hangs_up_mid_stream_aborts_its_request(served):
+def test_a_client_that_hangs_up_mid_stream_aborts_its_request(served, monkeypatch):
     url, llm, app = served
+    loop = app.state.served.loop
     aborted_before = app.state.served.metrics.num_requests("abort")
+    abort_sent = threading.Event()
+    monkeypatch.setattr(loop, "abort", signalling(loop.abort, abort_sent))
+    # from its 10th token on, a step waits until the server has sent the abort: however late
+    # the server's event loop notices the hang-up, the engine cannot run on meanwhile
+    held_step = held(llm.engine.step, abort_sent, lambda: most_completion_tokens(llm.engine) >= 10)
+    monkeypatch.setattr(llm.engine, "step", held_step)
     steps_at_hang_up = []
 
     async def hang_up_early():
@@ -290,7 +302,8 @@ def test_a_client_that_hangs_up_mid_stream_aborts_its_request(served):
             return ids
 
     num_received = len(asyncio.run(asyncio.wait_for(hang_up_early(), TIMEOUT)))
-    assert 3 <= num_received < 90  # three chunks (one may carry several tokens: coalescing)
+    assert 3 <= num_received < 90  # three tokens or more (coalescing: a chunk may carry several)
+    assert abort_sent.wait(TIMEOUT), "the server never aborted the request of a client that left"
     wait_until_idle(url)
     steps_after = app.state.served.loop.stats.num_steps - steps_at_hang_up[0]
     assert steps_after < 30, f"{steps_after} steps ran after the hang-up; 90 tokens need 87 more"
@@ -347,15 +360,19 @@ def test_a_bad_chat_request_is_a_400_naming_the_field(served, body, param):
 def test_malformed_json_and_an_oversized_body_are_4xx_and_the_engine_serves_on(served, client):
     url = served[0]
     headers = {"content-type": "application/json"}
-    bad_json = httpx.post(f"{url}/v1/completions", content=b'{"model": "tiny', headers=headers)
+    bad_json = httpx.post(
+        f"{url}/v1/completions", content=b'{"model": "tiny', headers=headers, timeout=TIMEOUT
+    )
     assert bad_json.status_code == 400 and "JSON" in bad_json.json()["error"]["message"]
     huge = json.dumps({"model": MODEL, "prompt": "x" * 2**21})
-    too_big = httpx.post(f"{url}/v1/completions", content=huge, headers=headers)
+    too_big = httpx.post(f"{url}/v1/completions", content=huge, headers=headers, timeout=TIMEOUT)
     assert too_big.status_code == 413 and too_big.json()["error"]["message"]
     no_length = (b"x" * 2**16 for _ in range(20))  # a generator: sent chunked, no Content-Length
-    chunked = httpx.post(f"{url}/v1/completions", headers=headers, content=no_length)
+    chunked = httpx.post(
+        f"{url}/v1/completions", headers=headers, content=no_length, timeout=TIMEOUT
+    )
     assert chunked.status_code == 413
-    missing = httpx.get(f"{url}/v1/nothing-here")
+    missing = httpx.get(f"{url}/v1/nothing-here", timeout=TIMEOUT)
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
     ok = client.completions.create(model=MODEL, prompt="still alive?", max_tokens=3)
     assert len(ok.choices[0].model_extra["token_ids"]) >= 1
@@ -367,9 +384,9 @@ def test_malformed_json_and_an_oversized_body_are_4xx_and_the_engine_serves_on(s
 def test_models_health_and_metrics(served, client):
     url = served[0]
     assert [m.id for m in client.models.list()] == [MODEL]
-    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{url}/health", timeout=TIMEOUT).json() == {"status": "ok"}
     client.completions.create(model=MODEL, prompt="count me", max_tokens=5)
-    text = httpx.get(f"{url}/metrics").text
+    text = httpx.get(f"{url}/metrics", timeout=TIMEOUT).text
     for name in (
         "requests_running",
         "requests_waiting",
@@ -389,13 +406,15 @@ def test_an_api_key_guards_every_route_but_health_and_the_server_stops_cleanly(f
     threads_before = set(threading.enumerate())
     llm = LLM(folder, **ENGINE)
     with ServerThread(create_app(llm, MODEL, api_key="s3cret")) as url:
-        assert httpx.get(f"{url}/health").status_code == 200
+        assert httpx.get(f"{url}/health", timeout=TIMEOUT).status_code == 200
         for route in ("/v1/models", "/metrics"):
-            assert httpx.get(f"{url}{route}").status_code == 401
-            wrong = httpx.get(f"{url}{route}", headers={"Authorization": "Bearer s3cre"})
+            assert httpx.get(f"{url}{route}", timeout=TIMEOUT).status_code == 401
+            wrong = httpx.get(
+                f"{url}{route}", headers={"Authorization": "Bearer s3cre"}, timeout=TIMEOUT
+            )
             assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
-        assert httpx.post(f"{url}/v1/completions", json=body).status_code == 401
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT).status_code == 401
         keyed = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
         assert keyed.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
         with pytest.raises(openai.AuthenticationError):
@@ -548,19 +567,21 @@ def test_an_engine_process_serves_the_offline_tokens_and_a_killed_one_fails_clea
         got = [entry.logprob for entry in reply.choices[0].logprobs.content]  # over the pipe
         assert got == pytest.approx(chosen, rel=1e-9)
         too_long = {"model": MODEL, "prompt": list(range(100))}  # max_model_len is 96
-        rejected = httpx.post(f"{url}/v1/completions", json=too_long)
+        rejected = httpx.post(f"{url}/v1/completions", json=too_long, timeout=TIMEOUT)
         assert rejected.status_code == 400 and rejected.json()["error"]["param"] == "prompt"
         wait_until_idle(url)
-        metrics = httpx.get(f"{url}/metrics").text
+        metrics = httpx.get(f"{url}/metrics", timeout=TIMEOUT).text
         assert gauge(metrics, "kv_blocks_used") == 0 and gauge(metrics, "kv_blocks_free") == 160
 
         os.kill(client_side.process.pid, signal.SIGKILL)  # the engine process dies
         for _ in range(int(TIMEOUT / 0.01)):
-            if httpx.get(f"{url}/health").status_code == 503:
+            if httpx.get(f"{url}/health", timeout=TIMEOUT).status_code == 503:
                 break
             threading.Event().wait(0.01)
-        assert httpx.get(f"{url}/health").status_code == 503
-        late = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi"})
+        assert httpx.get(f"{url}/health", timeout=TIMEOUT).status_code == 503
+        late = httpx.post(
+            f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=TIMEOUT
+        )
         assert late.status_code == 503 and "killed by signal 9" in late.json()["error"]["message"]
     assert not client_side.process.is_alive()
     leaked = [t.name for t in set(threading.enumerate()) - threads_before if t.is_alive()]

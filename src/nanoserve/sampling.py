@@ -4,7 +4,8 @@ Introduced in stage 00. Temperature 0 is greedy (argmax); otherwise softmax(logi
 top-k and then top-p, and one draw per sequence: a single uniform number mapped through the
 cumulative distribution (inverse-CDF sampling), batched over rows. `SamplingParams` also carries
 what the sampler does not do itself: stop strings and `n` (done by `LLM`, detokenizer.py) and
-`logprobs` (logprobs.py). It does no beam search and no penalties.
+`logprobs` (logprobs.py); `clamp` maps what validation accepts but no sampler holds to its
+meaning (the engine applies it at admission). It does no beam search and no penalties.
 """
 
 from __future__ import annotations
@@ -126,6 +127,35 @@ def child_params(params: SamplingParams) -> list[SamplingParams]:
 
 
 _GOLDEN_64 = 0x9E3779B97F4A7C15  # an odd constant: seed + i * it never repeats for i < 2**64
+
+# The samplers hold temperature and top-p in float32 and top-k in int64 (stage 11's device rows).
+MIN_TEMPERATURE = 1e-5  # below it greedy (vLLM's _SAMPLING_EPS); far below, logits / T overflows
+MAX_TEMPERATURE = float(torch.finfo(torch.float32).max)  # above it float32 holds inf
+
+
+def clamp(params: SamplingParams, vocab_size: int) -> SamplingParams:
+    """params as every stage's sampler runs them (the engine admits requests with these), so that
+    no value validation accepts can fail a step, and with it every request batched with it.
+
+    - top_k >= vocab_size: None (no limit; it keeps every token anyway).
+    - temperature below MIN_TEMPERATURE: 0, greedy (the limit of softmax(logits / T) as T -> 0);
+      above MAX_TEMPERATURE: MAX_TEMPERATURE (softmax(logits / T) is flat long before).
+    - top_p below 1 / (2 vocab_size): raised to it. Any p that small keeps the most likely token
+      alone (its mass is at least 1 / vocab_size of the total), but p * total may round to 0 in
+      float32, and then no token is kept at all.
+    - logprobs above vocab_size: vocab_size (a model has no more tokens to report).
+
+    Seeds need nothing: validation holds them to [0, 2**64), the counter hash's 64 bits.
+    """
+    top_k, temperature, top_p = params.top_k, params.temperature, params.top_p
+    if top_k is not None and top_k >= vocab_size:
+        top_k = None
+    if temperature < MIN_TEMPERATURE:
+        temperature = 0.0
+    temperature = min(temperature, MAX_TEMPERATURE)
+    top_p = max(top_p, 0.5 / vocab_size)
+    logprobs = params.logprobs if params.logprobs is None else min(params.logprobs, vocab_size)
+    return replace(params, top_k=top_k, temperature=temperature, top_p=top_p, logprobs=logprobs)
 
 
 def _check(ok: bool, name: str, value, allowed: str) -> None:

@@ -2,13 +2,15 @@
 
 Introduced in stage 00. Builds a few-layer Llama / Qwen2 / Qwen3 with transformers and saves it
 with `save_pretrained`, so nanoserve's own loader reads it like any checkpoint. float64, so two
-code paths doing the same arithmetic must agree token for token. Nothing here is used at serve
-time.
+code paths doing the same arithmetic must agree token for token. Also the server tests' tools: a
+real server in a thread, and holds that keep an engine from running ahead of what a test waits
+for. Nothing here is used at serve time.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import random
 import threading
 from pathlib import Path
@@ -203,3 +205,35 @@ class ServerThread:
         self.thread.join(self.timeout)
         if self.thread.is_alive():
             raise RuntimeError("the test server did not stop")
+
+
+def held(call, until: threading.Event, when=lambda: True, timeout_s: float = 60):
+    """`call` made to wait first, while `when()` is true, until `until` is set (timeout_s at
+    most, then it goes on). A server test holds the engine's step with it, so the engine cannot
+    run ahead of what the test waits for (a hang-up, a stop) however busy the machine is."""
+
+    def held_call(*args, **kwargs):
+        if when():
+            until.wait(timeout_s)
+        return call(*args, **kwargs)
+
+    return held_call
+
+
+def signalling(call, event: threading.Event, times: int = 1):
+    """`call` made to set `event` once it has returned `times` times: what another thread did,
+    for a test to wait on instead of a sleep."""
+    num_calls = itertools.count(1)
+
+    def signalling_call(*args, **kwargs):
+        result = call(*args, **kwargs)
+        if next(num_calls) >= times:
+            event.set()
+        return result
+
+    return signalling_call
+
+
+def most_completion_tokens(engine) -> int:
+    """The most tokens any running sequence of `engine` has generated (0 when none runs)."""
+    return max((seq.num_completion_tokens for seq in engine.scheduler.running), default=0)

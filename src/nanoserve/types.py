@@ -88,6 +88,11 @@ class Sequence:
         """Add a freshly sampled token."""
         self.token_ids.append(token_id)
 
+    def finish(self, reason: str) -> None:
+        """End the request: FINISHED, for `reason` ("stop", "length" or "abort"). The one place
+        that writes status FINISHED and finish_reason (the scheduler calls it)."""
+        self.status, self.finish_reason = SequenceStatus.FINISHED, reason
+
 
 class ScheduledBatch(NamedTuple):
     """The sequences of one step and the kind of step."""

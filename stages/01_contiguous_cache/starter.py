@@ -17,13 +17,19 @@ import torch
 class SlabManager:
     """Hands out whole slabs, ids 0 .. num_slabs-1: one per running sequence, for its whole life.
 
-    The scheduler calls it like this (a `seq` is `nanoserve.types.Sequence`; you only
-    touch its `slab_id` and `num_cached_tokens` attributes):
+    The scheduler calls it like this (a `seq` is `nanoserve.types.Sequence`; the only
+    attribute of it you write is `slab_id`: where its K/V lives):
 
         check_fits(num_prompt_tokens, max_num_tokens)  once per request, before it is queued
-        can_allocate(seq) -> allocate(seq)              admission: a waiting seq gets a slab
+        can_allocate(seq) -> allocate(seq) -> int       admission: a waiting seq gets a slab;
+                                                        allocate answers how many of its tokens
+                                                        already have K/V stored
         can_append(seq)   -> may_append(seq)            before every decode step of a seq
         deallocate(seq)                                 when seq finishes (or is preempted)
+
+    The scheduler keeps `seq.num_cached_tokens` itself: it sets it to allocate's answer at
+    admission and to 0 when it deallocates. One writer per field: a manager that wrote it too
+    would be a second place to get it wrong.
 
     A slab has room for max_model_len tokens, the longest any sequence may get, so once a
     sequence holds a slab it never needs more memory.
@@ -55,8 +61,12 @@ class SlabManager:
         """True when `allocate(seq)` would succeed now: some slab is free."""
         raise NotImplementedError("task 1: SlabManager.can_allocate")
 
-    def allocate(self, seq) -> None:
-        """Give seq a free slab: set `seq.slab_id` to its id. Only called after can_allocate."""
+    def allocate(self, seq) -> int:
+        """Give seq a free slab: set `seq.slab_id` to its id. Only called after can_allocate.
+
+        Returns how many of seq's tokens already have K/V stored in it. A slab just handed out
+        holds nothing of seq's (a previous owner's bytes are not seq's), so: 0.
+        """
         raise NotImplementedError("task 1: SlabManager.allocate")
 
     def can_append(self, seq) -> bool:
@@ -68,11 +78,11 @@ class SlabManager:
         raise NotImplementedError("task 2: SlabManager.may_append")
 
     def deallocate(self, seq) -> None:
-        """Take seq's slab back; then `seq.slab_id = None` and `seq.num_cached_tokens = 0`.
+        """Take seq's slab back; then `seq.slab_id = None`.
 
         The slab's bytes stay as they are: the next owner overwrites each position before it
-        reads it. Resetting num_cached_tokens tells the engine that nothing of seq is stored any
-        more, so if seq ever runs again it is prefilled from its first token.
+        reads it. (The scheduler sets seq.num_cached_tokens to 0 itself: nothing of seq is
+        stored any more, so if seq ever runs again it is prefilled from its first token.)
         """
         raise NotImplementedError("task 2: SlabManager.deallocate")
 

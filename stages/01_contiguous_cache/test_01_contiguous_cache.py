@@ -41,6 +41,21 @@ def test_task_1_a_fresh_manager_hands_out_slabs_0_1_2_in_order(impl):
     assert got == [0, 1, 2], f"three sequences admitted in turn got slabs {got}, expected [0, 1, 2]"
 
 
+def test_task_1_allocate_answers_that_a_fresh_slab_holds_none_of_the_sequence(impl):
+    manager = impl.SlabManager(2)
+    first, again = new_seq(5), new_seq(5)
+    got = manager.allocate(first)
+    assert got == 0, (
+        f"allocate returned {got!r}, expected 0: it answers how many of seq's tokens already "
+        "have K/V stored (the scheduler makes that seq.num_cached_tokens), and a slab just "
+        "handed out holds none of them"
+    )
+    manager.deallocate(first)
+    got = manager.allocate(again)  # the slab the first one filled: its bytes are not again's
+    assert got == 0, f"allocate of a returned slab answered {got!r}, expected 0"
+    assert again.num_cached_tokens == 0, "allocate writes seq.slab_id only, never the count"
+
+
 def test_task_1_can_allocate_and_num_free_slabs_follow_the_admissions(impl):
     manager = impl.SlabManager(2)
     for num_admitted, can_allocate in [(0, True), (1, True), (2, False)]:
@@ -88,17 +103,17 @@ def test_task_2_a_sequence_holding_a_slab_can_always_append_and_nothing_moves(im
     assert_fields("after 40 decode steps", got, want)
 
 
-def test_task_2_deallocate_returns_the_slab_and_forgets_what_was_cached(impl):
+def test_task_2_deallocate_returns_the_slab_and_writes_nothing_else_of_the_sequence(impl):
     manager = impl.SlabManager(1)
     seq = new_seq(5)
     manager.allocate(seq)
-    seq.num_cached_tokens = 5  # the engine sets this after each step
+    seq.num_cached_tokens = 5  # the scheduler sets this after each step
     manager.deallocate(seq)
     assert seq.slab_id is None, f"after deallocate, seq.slab_id is {seq.slab_id}, expected None"
     got = seq.num_cached_tokens
-    assert got == 0, (
-        f"after deallocate, seq.num_cached_tokens is {got}, expected 0: a sequence that runs "
-        "again must be prefilled from token 0"
+    assert got == 5, (
+        f"after deallocate, seq.num_cached_tokens is {got}, expected 5 as it was: the scheduler "
+        "keeps that count (it zeroes it itself); a manager writes only seq.slab_id"
     )
     got = manager.num_free_slabs
     assert got == 1, f"after deallocate, num_free_slabs is {got} of 1: the slab must be free again"

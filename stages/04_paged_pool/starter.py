@@ -91,8 +91,13 @@ class BlockManager:
         """
         raise NotImplementedError("task 1: BlockManager.can_allocate")
 
-    def allocate(self, seq: Sequence) -> None:
-        """Give seq ceil(len(seq) / block_size) blocks and set seq.block_table to them, in order."""
+    def allocate(self, seq: Sequence) -> int:
+        """Give seq ceil(len(seq) / block_size) blocks and set seq.block_table to them, in order.
+
+        Returns how many of seq's tokens already have K/V in those blocks: fresh blocks hold
+        none of seq's, so 0 (stage 07's manager answers more: a cached prefix). The scheduler
+        sets seq.num_cached_tokens from it; a manager writes seq.block_table and nothing else.
+        """
         raise NotImplementedError("task 1: BlockManager.allocate")
 
     def can_append(self, seq: Sequence) -> bool:
@@ -114,8 +119,8 @@ class BlockManager:
 
     def deallocate(self, seq: Sequence) -> None:
         """Return every block of seq to the pool in table order (so its last block is the first
-        handed out again, as stage 03's free() does); set seq.block_table = [] and
-        seq.num_cached_tokens = 0 (its K/V is gone: a preempted sequence is recomputed)."""
+        handed out again, as stage 03's free() does); set seq.block_table = []. (The scheduler
+        sets seq.num_cached_tokens = 0: its K/V is gone, a preempted sequence is recomputed.)"""
         raise NotImplementedError("task 1: BlockManager.deallocate")
 
     def check_invariants(self) -> None:

@@ -38,7 +38,7 @@ def admitted(manager, token_ids) -> Sequence:
     """A new sequence admitted the way the scheduler admits one."""
     seq = Sequence(token_ids, SamplingParams())
     assert manager.can_allocate(seq), f"a fresh {len(token_ids)}-token sequence should fit"
-    manager.allocate(seq)
+    seq.num_cached_tokens = manager.allocate(seq)
     return seq
 
 
@@ -167,6 +167,19 @@ def test_task_1_prompt_a_on_a_fresh_pool_gets_blocks_0_1_2(impl):
     check_books(manager, [a], 8, 4)
 
 
+def test_task_1_allocate_answers_that_fresh_blocks_hold_none_of_the_sequence(impl):
+    manager = impl.BlockManager(8, 4)
+    for tokens in (A, A[:8], [5]):  # 11 tokens, two full blocks exactly, one token
+        seq = Sequence(tokens, SamplingParams())
+        got = manager.allocate(seq)
+        assert got == 0, (
+            f"allocate of {len(tokens)} tokens returned {got!r}, expected 0: it answers how many "
+            "of seq's tokens already have K/V in its blocks (the scheduler makes that "
+            "seq.num_cached_tokens), and fresh blocks hold none"
+        )
+        assert seq.num_cached_tokens == 0, "allocate writes seq.block_table only, not the count"
+
+
 def test_task_1_can_allocate_counts_every_token_and_changes_nothing(impl):
     manager = impl.BlockManager(4, 4)
     small = admitted(manager, [1, 2])  # 3 blocks left
@@ -268,16 +281,18 @@ def test_task_1_growth_is_lazy_and_never_moves_a_block(impl, block_size):
         check_books(manager, [seq], 64, block_size)
 
 
-def test_task_1_deallocate_frees_everything_and_forgets_the_cached_tokens(impl):
+def test_task_1_deallocate_frees_everything_and_writes_only_the_table(impl):
     manager = impl.BlockManager(8, 4)
     a = admitted(manager, A)
     decode_one(manager, a)
     decode_one(manager, a)  # 13 tokens on 4 blocks, 12 of them cached
     manager.deallocate(a)
     after = (a.block_table, a.num_cached_tokens, manager.num_free_blocks)
-    assert after == ([], 0, 8), (
-        f"after deallocate: (block_table, num_cached_tokens, free) is {after}; expected ([], 0, 8)"
+    assert after == ([], 12, 8), (
+        f"after deallocate: (block_table, num_cached_tokens, free) is {after}; expected "
+        "([], 12, 8): the scheduler keeps num_cached_tokens (it zeroes it itself)"
     )
+    a.num_cached_tokens = 0  # as the scheduler does
     check_books(manager, [], 8, 4)
     assert manager.can_allocate(a), "a preempted 13-token sequence must fit an empty pool of 8"
     manager.allocate(a)

@@ -70,7 +70,8 @@ class PrefixBlockManager(BlockManager):
 
     The scheduler's calls, for one sequence's life:
       can_allocate(seq) -> allocate(seq)   admission: allocate sets seq.block_table and
-                                           seq.num_cached_tokens (the shared prefix's tokens)
+                                           returns the shared prefix's tokens (the scheduler
+                                           makes that seq.num_cached_tokens)
       hash_blocks(seq)                     after every forward pass that stored K/V for seq,
                                            once seq.num_cached_tokens counts them
       can_append(seq)   -> may_append(seq) before each decode step
@@ -101,12 +102,14 @@ class PrefixBlockManager(BlockManager):
         """
         raise NotImplementedError("task 2: PrefixBlockManager.can_allocate")
 
-    def allocate(self, seq: Sequence) -> None:
+    def allocate(self, seq: Sequence) -> int:
         """Hold the cached blocks (ref count + 1, or taken back from the free list), then fresh
-        blocks for the rest; set seq.block_table and seq.num_cached_tokens.
+        blocks for the rest; set seq.block_table, and return how many tokens the cached blocks
+        hold (their K/V is stored: the scheduler makes it seq.num_cached_tokens, and the
+        prefill skips them). Write nothing else of seq.
 
-        Seed: with A live and hashed, B gets [0, 3, 4, 5], ref_counts[0] == 2 and
-        num_cached_tokens == 4. A fresh block is about to hold new content: any entry the index
+        Seed: with A live and hashed, B gets [0, 3, 4, 5], ref_counts[0] == 2, and allocate
+        returns 4. A fresh block is about to hold new content: any entry the index
         still has for it is stale, drop it. Hash nothing here: no K/V exists yet.
         """
         raise NotImplementedError("task 2: PrefixBlockManager.allocate")
@@ -134,7 +137,7 @@ class PrefixBlockManager(BlockManager):
         order) those no one holds any more; the freed blocks stay findable by their keys.
 
         Seed: A on [0, 1, 2, 6] with B holding block 0: 6, 2 and 1 are freed, in that order, and
-        block 0 stays with B (ref count 2 -> 1). Set seq.block_table = [] and
-        seq.num_cached_tokens = 0 (a preempted sequence is recomputed, or found in the cache).
+        block 0 stays with B (ref count 2 -> 1). Set seq.block_table = [] (the scheduler sets
+        seq.num_cached_tokens = 0: a preempted sequence is recomputed, or found in the cache).
         """
         raise NotImplementedError("task 4: PrefixBlockManager.deallocate")

@@ -74,10 +74,25 @@ class Run:
         assert self.manager.can_allocate(seq), (
             f"a {len(seq)}-token sequence should fit ({self.manager.num_free_blocks} blocks free)"
         )
-        self.manager.allocate(seq)
+        seq.num_cached_tokens = self.admitted(seq)
         self.live.append(seq)
         self.check()
         return seq
+
+    def admitted(self, seq: Sequence) -> int:
+        """allocate(seq), which writes seq's table and nothing else of seq: its answer (the
+        cached prefix's tokens) is what the scheduler makes num_cached_tokens."""
+        before = seq.num_cached_tokens
+        cached = self.manager.allocate(seq)
+        assert seq.num_cached_tokens == before, (
+            f"allocate changed seq.num_cached_tokens from {before} to {seq.num_cached_tokens}: "
+            "it returns the cached prefix's tokens, and the scheduler writes the field"
+        )
+        assert isinstance(cached, int) and 0 <= cached < len(seq), (
+            f"allocate of a {len(seq)}-token sequence returned {cached!r}: the number of its "
+            "leading tokens already cached, at most all but the last (which must be computed)"
+        )
+        return cached
 
     def compute(self, seq: Sequence, num_tokens: int | None = None) -> None:
         """A forward pass stores K/V for seq's next num_tokens uncomputed tokens (default: all of
@@ -112,13 +127,16 @@ class Run:
 
     def release(self, seq: Sequence) -> None:
         """Finish or preemption."""
+        before = seq.num_cached_tokens
         self.manager.deallocate(seq)
         self.live.remove(seq)
         got = (seq.block_table, seq.num_cached_tokens)
-        assert got == ([], 0), (
+        assert got == ([], before), (
             f"after deallocate, (seq.block_table, seq.num_cached_tokens) is {got}; deallocate "
-            "must leave ([], 0)"
+            f"must leave ([], {before}): it empties the table, and the scheduler (not the "
+            "manager) zeroes the count"
         )
+        seq.num_cached_tokens = 0  # as the scheduler does
         self.check()
 
     def holders(self, block_id: int) -> int:
@@ -258,7 +276,7 @@ def test_task_2_seed_prompt_b_shares_block_0_and_prefills_only_its_9_new_tokens(
         f"after can_allocate(B), (B's table, B's num_cached_tokens, free blocks) is {got}, "
         "expected ([], 0, 5): can_allocate must change nothing"
     )
-    manager.allocate(b)
+    b.num_cached_tokens = run.admitted(b)
     run.live.append(b)
     assert b.block_table == [0, 3, 4, 5], f"B's table is {b.block_table}"
     assert manager.ref_counts[0] == 2 and b.num_cached_tokens == 4, (
@@ -652,8 +670,8 @@ def test_task_5_random_traffic_with_chunks_and_preemption_serves_only_true_prefi
     allocate = manager.allocate
 
     def counted_allocate(seq):
-        allocate(seq)
-        hits.append(seq.num_cached_tokens)
+        hits.append(allocate(seq))
+        return hits[-1]
 
     manager.allocate = counted_allocate
     heads = [[rng.randrange(50) for _ in range(12)] for _ in range(3)]

@@ -311,11 +311,15 @@ def test_task_2_a_waiting_request_gets_no_delivery(impl, tiny_llama_folder, idle
 # ---- task 3: one turn of the loop ----
 
 
-def count_steps(engine) -> list:
-    """Wrap engine.step to record, at each call, the sequences about to be scheduled."""
+def count_steps(engine, hold_after: int | None = None, until: threading.Event | None = None):
+    """Wrap engine.step to record, at each call, the sequences about to be scheduled. With
+    hold_after, every call after the first hold_after waits for `until` (TIMEOUT at most) before
+    it records and runs: the loop thread cannot step on while the test does what it checks."""
     calls, step = [], engine.step
 
     def recording_step():
+        if hold_after is not None and len(calls) >= hold_after:
+            until.wait(TIMEOUT)
         calls.append(list(engine.scheduler.running) + list(engine.scheduler.waiting))
         return step()
 
@@ -514,12 +518,13 @@ class Running:
 
 
 async def wait_until_idle(engine_loop) -> None:
-    """Until the loop has published a snapshot with nothing queued or running."""
+    """Until the loop has published a snapshot with nothing queued or running. The snapshot is
+    the last thing a turn does: after it, the loop thread leaves the engine alone until the
+    next command comes."""
     deadline = time.monotonic() + TIMEOUT
     while engine_loop.stats.num_running or engine_loop.stats.num_waiting:
         assert time.monotonic() < deadline, "the engine never became idle"
         await asyncio.sleep(0.005)
-    await asyncio.sleep(0.02)  # and the loop thread is parked again
 
 
 async def collect(agen) -> list[TokenDelta]:
@@ -585,17 +590,19 @@ def test_task_5_a_failing_step_reaches_the_caller_as_an_engine_error(impl, tiny_
 
 def test_task_5_closing_the_generator_aborts_the_request_within_one_step(impl, tiny_llama_folder):
     llm = new_llm(tiny_llama_folder)
-    calls = count_steps(llm.engine)
+    caller_left = threading.Event()
+    calls = count_steps(llm.engine, hold_after=2, until=caller_left)  # two steps: two tokens
     with Running(impl, llm) as engine_loop:
 
         async def main():
             agen = engine_loop.generate([1, 2, 3], greedy(40))
-            for _ in range(3):  # queued, then two tokens
-                await agen.__anext__()
-            num_steps_before = len(calls)
+            num_tokens = 0
+            while num_tokens < 2:  # queued, then two tokens (in one delta or two)
+                num_tokens += len((await agen.__anext__()).token_ids)
             await agen.aclose()  # the caller leaves: a client hung up
+            caller_left.set()  # the third step, held until now, may run
             await wait_until_idle(engine_loop)
-            return calls[num_steps_before:]
+            return calls[2:]
 
         later_steps = asyncio.run(asyncio.wait_for(main(), TIMEOUT))
         assert sum(bool(running) for running in later_steps) <= 1, (
@@ -606,6 +613,8 @@ def test_task_5_closing_the_generator_aborts_the_request_within_one_step(impl, t
 
 def test_task_5_a_cancelled_caller_aborts_its_request(impl, tiny_llama_folder):
     llm = new_llm(tiny_llama_folder)
+    caller_cancelled = threading.Event()
+    count_steps(llm.engine, hold_after=2, until=caller_cancelled)  # two steps: two tokens
     with Running(impl, llm) as engine_loop:
 
         async def main():
@@ -616,24 +625,26 @@ def test_task_5_a_cancelled_caller_aborts_its_request(impl, tiny_llama_folder):
                     received.append(delta)
 
             task = asyncio.ensure_future(consume())
-            while len(received) < 3 and not task.done():
+            while sum(len(d.token_ids) for d in received) < 2 and not task.done():
                 await asyncio.sleep(0.001)
             if task.done():
-                await task  # it failed before its third delta: say why
+                await task  # it failed before its second token: say why
             task.cancel()  # what the server does to a request whose client disconnected
             await asyncio.gather(task, return_exceptions=True)
+            caller_cancelled.set()  # the third step, held until now, may run
             await wait_until_idle(engine_loop)
             return received
 
         received = asyncio.run(asyncio.wait_for(main(), TIMEOUT))
+        num_tokens = sum(len(delta.token_ids) for delta in received)
         num_steps = engine_loop.engine.num_steps
-        assert len(received) < 41, (
-            f"the caller's task was cancelled after 3 deltas, yet it received all {len(received)} "
-            "(queued and 40 tokens): the cancellation never reached generate"
+        assert num_tokens < 40, (
+            f"the caller's task was cancelled after two tokens, yet it received all {num_tokens}: "
+            "the cancellation never reached generate"
         )
         assert num_steps < 30, (
-            f"the caller's task was cancelled after 3 deltas, yet the engine ran {num_steps} steps "
-            "(fewer than 30 expected): the request ran on towards its 40 tokens. Cancelling "
+            f"the caller's task was cancelled after two tokens, yet the engine ran {num_steps} "
+            "steps (fewer than 30 expected): the request ran on towards its 40 tokens. Cancelling "
             "raises CancelledError at `await stream.get()` in generate: abort the request in its "
             "finally"
         )

@@ -32,10 +32,22 @@ MUTANTS = (
         ("return True", "return self.num_free_slabs > 0"),
     ),
     mutant(
-        "deallocate_keeps_num_cached_tokens",
-        "deallocate forgets to reset num_cached_tokens",
+        "deallocate_resets_num_cached_tokens",
+        "deallocate also zeroes num_cached_tokens, the scheduler's field (the old contract)",
         "SlabManager.deallocate",
-        ("seq.slab_id, seq.num_cached_tokens = None, 0", "seq.slab_id = None"),
+        ("seq.slab_id = None", "seq.slab_id, seq.num_cached_tokens = None, 0"),
+    ),
+    mutant(
+        "allocate_returns_nothing",
+        "allocate hands out the slab but answers nothing (None), not 0 cached tokens",
+        "SlabManager.allocate",
+        ("return 0", "return None"),
+    ),
+    mutant(
+        "allocate_counts_the_prompt_as_cached",
+        "allocate answers len(seq): the engine then thinks the prompt's K/V is already stored",
+        "SlabManager.allocate",
+        ("return 0", "return len(seq) - 1"),
     ),
     mutant(
         "deallocate_keeps_the_slab",

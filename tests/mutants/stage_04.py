@@ -60,10 +60,17 @@ MUTANTS = (
         ),
     ),
     mutant(
-        "deallocate_keeps_num_cached_tokens",
-        "deallocate forgets num_cached_tokens = 0, so a preempted sequence is never recomputed",
+        "deallocate_resets_num_cached_tokens",
+        "deallocate also zeroes num_cached_tokens, the scheduler's field (the old contract)",
         "BlockManager._release",
-        ("seq.num_cached_tokens = 0", ""),
+        ("seq.block_table = []", "seq.block_table = []\nseq.num_cached_tokens = 0"),
+    ),
+    mutant(
+        "allocate_counts_full_blocks_as_cached",
+        "allocate answers the tokens of the full blocks it handed out, as if they were a "
+        "cached prefix: the prefill skips them",
+        "BlockManager.allocate",
+        ("return 0", "return len(seq) // self.block_size * self.block_size"),
     ),
     mutant(
         "deallocate_in_reverse",

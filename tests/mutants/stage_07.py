@@ -108,11 +108,17 @@ MUTANTS = (
         "forward pass has written their K/V",
         "PrefixBlockManager.allocate",
         (
-            "seq.num_cached_tokens = len(hits) * self.block_size",
+            "num_cached_tokens = len(hits) * self.block_size",
             "seq.num_cached_tokens = len(seq)  # index the full blocks right away\n"
             "self.hash_blocks(seq)\n"
-            "seq.num_cached_tokens = len(hits) * self.block_size",
+            "num_cached_tokens = len(hits) * self.block_size",
         ),
+    ),
+    mutant(
+        "allocate_writes_the_count_itself",
+        "allocate sets seq.num_cached_tokens (the old contract) and returns nothing",
+        "PrefixBlockManager.allocate",
+        ("return num_cached_tokens", "seq.num_cached_tokens = num_cached_tokens"),
     ),
     # ---- stale entries ----
     mutant(
@@ -157,8 +163,7 @@ MUTANTS = (
             "for block_id in block_ids:\n"
             "    if self.ref_counts[block_id] == 1:\n"
             "        self.ref_counts[block_id] = 0\n"
-            "seq.block_table = []\n"
-            "seq.num_cached_tokens = 0",
+            "seq.block_table = []",
         ),
     ),
     mutant(

@@ -47,9 +47,11 @@ class BlockManager:
         preemption)."""
         return self.num_free_blocks >= blocks_for(len(seq), self.block_size)
 
-    def allocate(self, seq: Sequence) -> None:
-        """Give seq blocks for all its current tokens (all-or-nothing)."""
+    def allocate(self, seq: Sequence) -> int:
+        """Give seq blocks for all its current tokens (all-or-nothing); returns how many of its
+        tokens already have K/V stored: none (stage 07's manager finds a cached prefix)."""
         self._grow(seq, self.table_cls(self.allocator, self.block_size))
+        return 0
 
     def can_append(self, seq: Sequence) -> bool:
         """True when seq's next decode token fits: in its last block, or in one free block."""
@@ -104,7 +106,6 @@ class BlockManager:
         for block_id in block_ids:
             self.ref_counts[block_id] -= 1
         seq.block_table = []
-        seq.num_cached_tokens = 0
         return block_ids
 
     def _hold(self, block_ids: list[int]) -> None:

@@ -1,7 +1,8 @@
 """The cache-manager seam: the contract every stage's memory bookkeeping meets, and its helpers.
 
 Introduced in stage 01, when a second manager arrived. A manager decides whether a sequence
-fits and records where its K/V lives (`seq.slab_id` or `seq.block_table`); it owns no tensors.
+fits and records where its K/V lives (`seq.slab_id` or `seq.block_table`), and writes nothing
+else of a sequence; it owns no tensors.
 Stage 01 slabs, stage 03 tables, stage 04 blocks and stage 07 prefix blocks implement it; the
 scheduler only asks it. Also here: `Admission` (stage 07's answer to can_allocate), stage 00's
 manager (nothing to manage) and the block arithmetic the table and block managers share.
@@ -33,18 +34,21 @@ class KVCacheManager(Protocol):
     Contract, for one sequence's life:
       check_fits(num_prompt_tokens, max_num_tokens)   once, before it is queued: raises ValueError
                                                       for a request that could never finish
-      can_allocate(seq) -> allocate(seq)              admission before a prefill; allocate is
-                                                      all-or-nothing and sets seq.block_table
-                                                      (or seq.slab_id)
+      can_allocate(seq) -> allocate(seq) -> int       admission before a prefill; allocate is
+                                                      all-or-nothing, sets seq.block_table (or
+                                                      seq.slab_id) and returns how many of seq's
+                                                      leading tokens already have K/V stored (a
+                                                      cached prefix, stage 07; 0 before it)
       can_append(seq)   -> may_append(seq)            before each decode step: room for one token
       deallocate(seq)                                 finish or preemption: releases its memory
-                                                      and sets seq.num_cached_tokens to 0
     Predicates change nothing. `check_invariants()` raises AssertionError on inconsistent books.
+    A manager writes where seq's K/V lives and nothing else of seq: the scheduler keeps
+    `num_cached_tokens` (it sets it from allocate's answer, and to 0 in `Scheduler.free`).
     """
 
     def check_fits(self, num_prompt_tokens: int, max_num_tokens: int) -> None: ...
     def can_allocate(self, seq: Sequence) -> bool: ...
-    def allocate(self, seq: Sequence) -> None: ...
+    def allocate(self, seq: Sequence) -> int: ...
     def can_append(self, seq: Sequence) -> bool: ...
     def may_append(self, seq: Sequence) -> None: ...
     def deallocate(self, seq: Sequence) -> None: ...
@@ -100,8 +104,9 @@ class NoCacheManager:
         """Always."""
         return True
 
-    def allocate(self, seq: Sequence) -> None:
-        """Nothing to hold."""
+    def allocate(self, seq: Sequence) -> int:
+        """Nothing to hold, and nothing stored: 0 cached tokens."""
+        return 0
 
     def can_append(self, seq: Sequence) -> bool:
         """Always."""
@@ -112,7 +117,6 @@ class NoCacheManager:
 
     def deallocate(self, seq: Sequence) -> None:
         """Nothing to release; the sequence is recomputed from scratch anyway."""
-        seq.num_cached_tokens = 0
 
     def check_invariants(self) -> None:
         """No books to check."""

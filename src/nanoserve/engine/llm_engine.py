@@ -15,7 +15,7 @@ from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.trace import StepRecord
 from nanoserve.kernels.backend import BackendChoice
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling import SamplingParams, clamp
 from nanoserve.types import Sequence
 
 
@@ -42,8 +42,10 @@ class LLMEngine:
         self.num_prefill_tokens = 0  # prompt tokens computed (a cached prefix is not computed)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
-        """Validate and queue one request; raises ValueError and queues nothing if it is bad."""
+        """Validate and queue one request; raises ValueError and queues nothing if it is bad.
+        The sequence carries its params clamped to what every sampler runs (`sampling.clamp`)."""
         self.check_request(prompt_token_ids, params)
+        params = clamp(params, self.vocab_size)
         seq = Sequence(prompt_token_ids, params, device=self.runner.device)
         self.scheduler.add(seq)
         return seq

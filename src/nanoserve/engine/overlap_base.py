@@ -4,10 +4,13 @@ Introduced in stage 11, given to its learner (who writes `commit`, `resolve` and
 engine/overlap_engine.py). Here: a sequence whose owed token ends it by length is not scheduled
 again; a preempted or aborted sequence gives its row back; `_launch` schedules a batch and hands
 it to the runner (undoing the schedule if the launch fails); the engine has work while a step is
-in flight.
+in flight, and a step that leaves nothing queued resolves the one in flight (`settled`).
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.kv_manager import KVCacheManager
@@ -42,6 +45,11 @@ class OverlapSchedulerBase(Scheduler):
         finally:
             self.running.extend(done)  # still running until their last token resolves
 
+    def resolve(self, launched: Launched, token_ids: list, eos_ids) -> list[Sequence]:
+        """Append a step's owed tokens and finish what is done (the learner's, in
+        overlap_engine.py); returns the sequences that finished."""
+        raise NotImplementedError
+
     def preempt(self, seq: Sequence) -> None:
         """As ever, and the sequence's row is freed (a re-admission takes a fresh one)."""
         super().preempt(seq)
@@ -49,7 +57,8 @@ class OverlapSchedulerBase(Scheduler):
 
 
 class OverlapEngineBase(LLMEngine):
-    """The engine with a step in flight: `Scheduler` names the scheduler class it runs."""
+    """The engine with a step in flight: `Scheduler` names the scheduler class it runs. A
+    subclass's `step` (the learner's loop) runs inside `settled`."""
 
     runner: OverlapRunner
     scheduler: OverlapSchedulerBase
@@ -59,6 +68,12 @@ class OverlapEngineBase(LLMEngine):
         super().__init__(*args, **kwargs)
         self.scheduler = self.Scheduler(self.config, self.manager, self.runner.state.release)
         self.in_flight: Launched | None = None  # the step launched last, not yet resolved
+
+    def __init_subclass__(cls, **kwargs):
+        """A subclass that defines `step` gets it wrapped in `settled`."""
+        super().__init_subclass__(**kwargs)
+        if "step" in vars(cls):
+            cls.step = settled(vars(cls)["step"])
 
     def _launch(self) -> Launched | None:
         """Schedule a batch and launch it; None when nothing can run until a step resolves."""
@@ -81,15 +96,41 @@ class OverlapEngineBase(LLMEngine):
         self.count_step(batch, launched.inputs, num_preempted_before)
         return launched
 
+    def drain(self) -> list[Sequence]:
+        """Resolve the step in flight, if any (wait for its tokens); returns the sequences it
+        finished."""
+        if self.in_flight is None:
+            return []
+        done, self.in_flight = self.in_flight, None
+        return self.scheduler.resolve(done, done.token_ids(), self.eos_ids)
+
     def abort(self, seqs) -> None:
-        """As ever; a token the device still owes an aborted sequence is never appended."""
+        """As ever; a token the device still owes an aborted sequence is never appended. When
+        nothing is left queued, the step in flight (all of it discarded) is resolved."""
         for seq in seqs:
             was_finished = seq.is_finished
             self.scheduler.abort(seq)
             if not was_finished:
                 seq.num_pending = 0
                 self.runner.state.release(seq)
+        if self.scheduler.is_finished():
+            self.drain()
 
     def has_unfinished(self) -> bool:
         """True while some request waits or runs, or a launched step is not yet resolved."""
         return super().has_unfinished() or self.in_flight is not None
+
+
+def settled(step: Callable[[OverlapEngineBase], list[Sequence]]):
+    """`step`, then, when it leaves nothing waiting or running, the step in flight resolved too:
+    its every token belongs to a finished request and is discarded, and no later call of step()
+    need come for it. The engine is idle (has_unfinished() False) once the last request ends."""
+
+    @functools.wraps(step)
+    def settled_step(engine: OverlapEngineBase) -> list[Sequence]:
+        finished = step(engine)
+        if engine.scheduler.is_finished():
+            finished = finished + engine.drain()  # nothing: every request of it has finished
+        return finished
+
+    return settled_step

@@ -23,7 +23,7 @@ from __future__ import annotations
 from nanoserve.engine.overlap_base import OverlapEngineBase, OverlapSchedulerBase
 from nanoserve.engine.overlap_runner import Launched
 from nanoserve.engine.scheduler import finish_reason
-from nanoserve.types import Sequence, SequenceStatus
+from nanoserve.types import Sequence
 
 
 class OverlapScheduler(OverlapSchedulerBase):
@@ -54,7 +54,7 @@ class OverlapScheduler(OverlapSchedulerBase):
             reason = finish_reason(seq, token_id, eos_ids, self.config.max_model_len)
             if reason is None:
                 continue
-            seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+            seq.finish(reason)
             if seq in self.waiting:  # preempted while its last token was in flight
                 self.waiting.remove(seq)
             else:

@@ -8,7 +8,7 @@ tensors: sharing a block means two block tables hold the same id.
 
     A = [11 12 13 14 | 21 22 23 24 | 31 32 33]     table [0, 1, 2]    hashed: 0, 1
     B = [11 12 13 14 | 51 52 53 54 | 61 62 63 64 | 71]
-         '- h0 -> block 0 (A's; ref 2)            table [0, 3, 4, 5]  num_cached_tokens 4
+         '- h0 -> block 0 (A's; ref 2)            table [0, 3, 4, 5]  allocate returns 4
 """
 
 from __future__ import annotations
@@ -92,8 +92,9 @@ class PrefixBlockManager(BlockManager):
         """Fits when the free blocks cover the uncached blocks plus the freed hits reclaimed."""
         return self._admission(seq, self._hits(seq))
 
-    def allocate(self, seq: Sequence) -> None:
-        """Share or reclaim the cached prefix, pull fresh blocks for the rest (all-or-nothing)."""
+    def allocate(self, seq: Sequence) -> int:
+        """Share or reclaim the cached prefix, pull fresh blocks for the rest (all-or-nothing);
+        returns the cached prefix's tokens (their K/V is stored: the prefill skips them)."""
         hits = self._hits(seq)  # what can_allocate just found: the prompt is hashed once
         if not self._admission(seq, hits):
             raise ValueError(f"sequence {seq.seq_id} does not fit; ask can_allocate first")
@@ -105,9 +106,10 @@ class PrefixBlockManager(BlockManager):
         self._hold(hits)
         self._grow(seq, table)
         self.num_hashed[seq.seq_id] = len(hits)
-        seq.num_cached_tokens = len(hits) * self.block_size
+        num_cached_tokens = len(hits) * self.block_size
         self.num_prompt_tokens += len(seq)
-        self.num_hit_tokens += seq.num_cached_tokens
+        self.num_hit_tokens += num_cached_tokens
+        return num_cached_tokens
 
     def _hits(self, seq: Sequence) -> list[int]:
         """cached_prefix(seq), remembered between can_allocate and allocate of the same seq."""

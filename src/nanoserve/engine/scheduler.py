@@ -1,9 +1,9 @@
 """The scheduler: which sequences run in the next step, and whether it is a prefill or a decode.
 
 Introduced in stage 00; unchanged in spirit since. Memory is the cache manager's business
-(`can_allocate/allocate/can_append/may_append/deallocate`); the scheduler only asks. A step is
-all-prefill or all-decode (never mixed), as in nano-vLLM; with enable_chunked_prefill a long
-prompt is prefilled over several steps, a budget's worth at a time.
+(`can_allocate/allocate/can_append/may_append/deallocate`); the scheduler asks, and keeps
+`num_cached_tokens` itself (from allocate's answer). A step is all-prefill or all-decode, as in
+nano-vLLM; with enable_chunked_prefill a long prompt is prefilled over several steps.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class Scheduler:
                 break  # whole prompts only: it waits for the next step's budget
             if not self.manager.can_allocate(seq):
                 break
-            self.manager.allocate(seq)  # from stage 07 a cached prefix sets num_cached_tokens
+            seq.num_cached_tokens = self.manager.allocate(seq)  # stage 07: a cached prefix
             budget -= self._schedule_chunk(seq, budget)
             seq.status = SequenceStatus.RUNNING
             self.waiting.popleft()
@@ -88,10 +88,15 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Drop seq's cache and send it to the front of the queue; it is recomputed later."""
         seq.status = SequenceStatus.WAITING
-        self.manager.deallocate(seq)
+        self.free(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def free(self, seq: Sequence) -> None:
+        """Give seq's memory back to the manager: none of its K/V is stored any more."""
+        self.manager.deallocate(seq)
+        seq.num_cached_tokens = 0
 
     def undo(self, batch: ScheduledBatch) -> None:
         """Forget a step whose forward pass failed or was interrupted (the exception propagates).
@@ -105,7 +110,7 @@ class Scheduler:
         for seq in reversed(batch.seqs):
             if seq in self.running:
                 self.running.remove(seq)
-                self.manager.deallocate(seq)
+                self.free(seq)
                 seq.status = SequenceStatus.WAITING
                 self.waiting.appendleft(seq)
 
@@ -115,10 +120,10 @@ class Scheduler:
             return
         if seq in self.running:
             self.running.remove(seq)
-            self.manager.deallocate(seq)
+            self.free(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)  # a waiting sequence holds no memory
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        seq.finish("abort")
 
     def postprocess(self, batch: ScheduledBatch, token_ids: list, eos_ids) -> list[Sequence]:
         """Append each sampled token; finish and release sequences that are done.
@@ -137,7 +142,7 @@ class Scheduler:
             seq.append_token(token_id)
             reason = finish_reason(seq, token_id, eos_ids, self.config.max_model_len)
             if reason is not None:
-                seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+                seq.finish(reason)
                 self.manager.deallocate(seq)
                 self.running.remove(seq)
                 finished.append(seq)

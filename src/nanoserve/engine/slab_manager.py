@@ -29,9 +29,11 @@ class SlabManager:
         """True when a slab is free."""
         return self.num_free_slabs > 0
 
-    def allocate(self, seq: Sequence) -> None:
-        """Give seq a slab; it keeps it until it finishes."""
+    def allocate(self, seq: Sequence) -> int:
+        """Give seq a slab (it keeps it until it finishes); nothing in it is seq's yet: 0 tokens
+        cached."""
         seq.slab_id = self.free_slab_ids.pop()
+        return 0
 
     def can_append(self, seq: Sequence) -> bool:
         """Always: the slab already has room for max_model_len tokens."""
@@ -45,7 +47,7 @@ class SlabManager:
         if seq.slab_id is None:
             raise ValueError(f"sequence {seq.seq_id} holds no slab; was it allocated?")
         self.free_slab_ids.append(seq.slab_id)
-        seq.slab_id, seq.num_cached_tokens = None, 0
+        seq.slab_id = None
 
     def check_invariants(self) -> None:
         """Every slab is either free (once) or owned."""

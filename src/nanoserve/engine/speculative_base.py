@@ -4,9 +4,9 @@ bookkeeping and the acceptance counters.
 Introduced in stage 12, given to its learner (who writes `add_proposal`, `accept` and `step`,
 in engine/speculative_engine.py). Here: how many guesses a sequence may take (never past
 max_tokens or max_model_len, nor past what a captured graph replays), the back-off that lets
-the steps nobody guesses in overlap (`may_guess`, `drain`), which proposer guesses (n-gram or
-a draft), a failed step's proposals taken back, and what `bench`, `--trace` and `/metrics`
-report.
+the steps nobody guesses in overlap (`may_guess`; `drain` is stage 11's), which proposer
+guesses (n-gram or a draft), a failed step's proposals taken back, and what `bench`,
+`--trace` and `/metrics` report.
 """
 
 from __future__ import annotations
@@ -131,14 +131,6 @@ class SpeculativeEngineBase(OverlapEngine):
         may, the next step is stage 11's, launched before the one in flight is resolved."""
         step = self.num_steps + 1
         return any(self.backoff.is_open(seq, step) for seq in self.scheduler.running)
-
-    def drain(self) -> list[Sequence]:
-        """Resolve the step in flight, if any (a guess needs every token before it); returns the
-        sequences it finished."""
-        if self.in_flight is None:
-            return []
-        done, self.in_flight = self.in_flight, None
-        return self.scheduler.resolve(done, done.token_ids(), self.eos_ids)
 
     def propose(self, batch: ScheduledBatch) -> torch.Tensor | None:
         """Let the proposer guess for every sequence of a decode batch (each guess appended by

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from nanoserve.engine.scheduler import finish_reason
 from nanoserve.engine.speculative_base import SpeculativeEngineBase, SpeculativeSchedulerBase
-from nanoserve.types import ScheduledBatch, Sequence, SequenceStatus
+from nanoserve.types import ScheduledBatch, Sequence
 
 
 class SpeculativeScheduler(SpeculativeSchedulerBase):
@@ -54,7 +54,7 @@ class SpeculativeScheduler(SpeculativeSchedulerBase):
                     break
             seq.num_cached_tokens = len(seq) - 1  # stored: all but the newest (drawn) token
             if reason is not None:
-                seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+                seq.finish(reason)
                 self.manager.deallocate(seq)
                 self.running.remove(seq)
                 self.release(seq)

@@ -49,10 +49,11 @@ class TableManager:
         unpromised = self.allocator.num_free_blocks - sum(self.num_promised.values())
         return unpromised >= self.blocks_needed(seq)
 
-    def allocate(self, seq: Sequence) -> None:
-        """Pull blocks for the prompt now; promise the rest of the worst case."""
+    def allocate(self, seq: Sequence) -> int:
+        """Pull blocks for the prompt now; promise the rest of the worst case. 0 tokens cached."""
         pulled = self._grow(seq, self.table_cls(self.allocator, self.block_size))
         self.num_promised[seq.seq_id] = self.blocks_needed(seq) - len(pulled)
+        return 0
 
     def can_append(self, seq: Sequence) -> bool:
         """Always: the blocks for decode were promised at admission."""
@@ -66,7 +67,7 @@ class TableManager:
         """Hand every block and promise back."""
         self.tables.pop(seq.seq_id).free()
         del self.num_promised[seq.seq_id]
-        seq.block_table, seq.num_cached_tokens = [], 0
+        seq.block_table = []
 
     def _grow(self, seq: Sequence, table) -> list[int]:
         """Grow table to len(seq) tokens and record it as seq's; returns the ids it pulled.
