@@ -5,8 +5,9 @@ Tasks 1 and 2 call your `PersistentBatch` on a CPU "device" and read its tensors
 drives your `OverlapScheduler` with hand-made launched steps (no model): what each sequence owes,
 holds and frees after `commit` and `resolve`. Task 4 runs the engine (`LLM(stage=11,
 components=...)`) with your loop and your batch on a tiny float64 Llama and demands stage 09's
-greedy tokens, with and without preemption, stop tokens and aborts, and a seeded request's tokens
-whatever its batch. Task 5 does the same on a GPU with CUDA graphs (it skips without one).
+greedy tokens, with and without preemption, stop tokens, aborts and max_model_len, and a seeded
+request's tokens whatever its batch; a step with nothing to do raises. Task 5 does the same on a
+GPU with CUDA graphs (it skips without one).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import EngineConfig
 from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.prefix_block_manager import PrefixBlockManager
 from nanoserve.types import ScheduledBatch, Sequence, SequenceStatus
 
 API = ("PersistentBatch", "OverlapScheduler", "OverlapEngine")
@@ -162,9 +164,9 @@ class Step(NamedTuple):
     sampled: list[int]
 
 
-def scheduler_with(impl, seqs, num_blocks=16):
+def scheduler_with(impl, seqs, num_blocks=16, manager_cls=BlockManager):
     config = EngineConfig(max_model_len=64, max_num_seqs=4, block_size=BLOCK_SIZE)
-    manager = BlockManager(num_blocks, BLOCK_SIZE)
+    manager = manager_cls(num_blocks, BLOCK_SIZE)
     released: list[Sequence] = []
     scheduler = impl.OverlapScheduler(config, manager, released.append)
     for seq in seqs:
@@ -191,6 +193,34 @@ def test_task_3_commit_stores_the_step_and_counts_one_owed_token_per_sampled_seq
     assert len(whole) == 7 and whole.token_ids == list(range(1, 7)), (
         "an owed token counts in len(seq) but is not in token_ids until it arrives"
     )
+
+
+def test_task_3_commit_makes_the_blocks_its_step_filled_shareable_at_once(impl):
+    seq = seq_of(10, max_tokens=8, ignore_eos=True)  # tokens 1..10: blocks of 4, 4 and 2
+    scheduler, manager, _ = scheduler_with(impl, [seq], manager_cls=PrefixBlockManager)
+
+    def shareable(when: str, num_blocks: int) -> None:
+        """A new request with seq's tokens 1..12 finds its first num_blocks blocks cached."""
+        found = manager.cached_prefix(Sequence([*range(1, 13), 99], SamplingParams()))
+        assert found == seq.block_table[:num_blocks], (
+            f"{when}: {seq.num_cached_tokens} tokens of request {seq.seq_id} are stored, so its "
+            f"{num_blocks} full blocks {seq.block_table[:num_blocks]} must be in the prefix cache "
+            f"(commit hashes them: self.prefix_manager.hash_blocks(seq)); a new request finds "
+            f"{found}"
+        )
+
+    prefill = Step(scheduler.schedule(), None, [0])
+    scheduler.commit(prefill)
+    shareable("after the prefill's commit", 2)
+    second = Step(scheduler.schedule(), None, [0])  # launched before the prefill resolves
+    scheduler.resolve(prefill, [11], eos_ids=set())
+    scheduler.commit(second)
+    shareable("after the commit of the step that stores token 11", 2)  # block 2 holds 3
+    third = Step(scheduler.schedule(), None, [0])
+    scheduler.resolve(second, [12], eos_ids=set())
+    scheduler.commit(third)
+    shareable("after the commit of the step that stores token 12, before it resolves", 3)
+    manager.check_invariants()
 
 
 def test_task_3_resolve_appends_the_owed_tokens_and_frees_a_finished_sequence(impl):
@@ -296,6 +326,45 @@ def test_task_4_with_preemption_the_tokens_stay_stage_09s(impl, tiny_llama_folde
     got = tokens(llm, SamplingParams(max_tokens=12, ignore_eos=True))
     assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to run dry"
     assert got == stage_09["plenty"] == stage_09["scarce"]
+
+
+def test_task_4_a_request_that_reaches_max_model_len_ends_there_as_in_stage_09(
+    impl, tiny_llama_folder
+):
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    short = dict(device="cpu", num_kv_blocks=64, **{**ENGINE, "max_model_len": 16})
+    want = LLM(tiny_llama_folder, stage=9, **short).generate(prompts(), params, use_tqdm=False)
+    llm = engine(tiny_llama_folder, impl, num_kv_blocks=64, max_model_len=16)
+    got = llm.generate(prompts(), params, use_tqdm=False)
+    for prompt, mine, theirs in zip(prompts(), got, want):
+        assert (len(mine.token_ids), mine.finish_reason) == (
+            len(theirs.token_ids),
+            theirs.finish_reason,
+        ), (
+            f"max_model_len 16, max_tokens 12, a prompt of {len(prompt)} tokens: stage 09 ends it "
+            f"after {len(theirs.token_ids)} tokens ({theirs.finish_reason!r}), yours after "
+            f"{len(mine.token_ids)} ({mine.finish_reason!r})"
+        )
+        assert mine.token_ids == theirs.token_ids
+    assert [len(p) + len(o.token_ids) for p, o in zip(prompts(), got)] == [15, 16, 16, 16, 16]
+    assert llm.engine.manager.num_free_blocks == 64 and not llm.engine.runner.state.rows
+
+
+def test_task_4_a_step_with_nothing_to_launch_and_nothing_in_flight_raises(impl, tiny_llama_folder):
+    engine_ = engine(tiny_llama_folder, impl, num_kv_blocks=64).engine
+    with pytest.raises(RuntimeError):
+        engine_.step()
+        pytest.fail("step() on an engine without requests returned: it must raise RuntimeError")
+    seq = engine_.add_request(prompts()[0], SamplingParams(max_tokens=2, ignore_eos=True))
+    while engine_.has_unfinished():
+        engine_.step()
+    assert seq.is_finished and engine_.in_flight is None
+    with pytest.raises(RuntimeError):
+        engine_.step()
+        pytest.fail(
+            "step() after every request finished, with no step in flight, returned: nothing can "
+            "be launched and nothing resolved, and it must raise RuntimeError"
+        )
 
 
 def test_task_4_the_loop_launches_a_step_before_it_waits_for_the_last(impl, tiny_llama_folder):

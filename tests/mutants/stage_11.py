@@ -17,6 +17,12 @@ columns += range(sent, len(table))
 blocks += table[sent:]
 self.num_sent[row] = len(table)
 """
+COMMIT = """
+seq.num_cached_tokens += seq.num_scheduled_tokens
+seq.num_scheduled_tokens = 0
+if self.prefix_manager is not None:
+    self.prefix_manager.hash_blocks(seq)
+"""
 LOOP = """
 finished = []
 if self.in_flight is not None:
@@ -111,6 +117,23 @@ MUTANTS = (
         ),
     ),
     mutant(
+        "commit_never_hashes",
+        "commit forgets the prefix cache: the blocks a step filled are never shareable",
+        "OverlapScheduler.commit",
+        (COMMIT, "seq.num_cached_tokens += seq.num_scheduled_tokens\nseq.num_scheduled_tokens = 0"),
+    ),
+    mutant(
+        "hashed_before_stored",
+        "commit hashes before it counts the step's tokens as stored: each block joins the prefix "
+        "cache one step late",
+        "OverlapScheduler.commit",
+        (
+            COMMIT,
+            "if self.prefix_manager is not None:\n    self.prefix_manager.hash_blocks(seq)\n"
+            "seq.num_cached_tokens += seq.num_scheduled_tokens\nseq.num_scheduled_tokens = 0",
+        ),
+    ),
+    mutant(
         "discarded_token_kept",
         "the token sampled in the step after a sequence's end is appended to it",
         "OverlapScheduler.resolve",
@@ -121,6 +144,16 @@ MUTANTS = (
         "a finished sequence never frees its row",
         "OverlapScheduler.resolve",
         ("self.release(seq)", ""),
+    ),
+    mutant(
+        "length_past_max_model_len",
+        "resolve ends a request when it grows past max_model_len, not when it reaches it: the "
+        "request that fills its last position is scheduled again",
+        "OverlapScheduler.resolve",
+        (
+            "finish_reason(seq, token_id, eos_ids, self.config.max_model_len)",
+            "finish_reason(seq, token_id, eos_ids, self.config.max_model_len + 1)",
+        ),
     ),
     mutant(
         "preempted_deallocated_again",
@@ -153,6 +186,16 @@ MUTANTS = (
             "if launched is not None:\n"
             "    self.scheduler.commit(launched)\n"
             "    self.in_flight = launched",
+        ),
+    ),
+    mutant(
+        "idle_step_returns",
+        "a step with nothing to launch and nothing in flight returns no sequences instead of "
+        "raising: a loop driving an idle engine spins forever",
+        "OverlapEngine.step",
+        (
+            "raise RuntimeError('scheduler produced an empty batch with requests pending')",
+            "return []",
         ),
     ),
     mutant(
