@@ -57,7 +57,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from nanoserve import LLM, SamplingParams, grading
-from nanoserve.engine.trace import StepRecord
+from nanoserve.engine.loop.trace import StepRecord
 from nanoserve.testing import save_tiny_model
 
 # What to run: "ref" (the reference in src/nanoserve), "starter" (the stage's starter.py), a path

@@ -50,7 +50,7 @@ import torch
 from matplotlib.patches import Patch, Rectangle
 
 from nanoserve import LLM, SamplingParams, grading
-from nanoserve.engine.trace import StepRecord
+from nanoserve.engine.loop.trace import StepRecord
 from nanoserve.kernels.paged_decode import decode_partition_size
 from nanoserve.testing import save_tiny_model
 

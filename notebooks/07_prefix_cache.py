@@ -52,7 +52,7 @@ import matplotlib.pyplot as plt
 from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
 
 from nanoserve import LLM, SamplingParams, grading
-from nanoserve.engine.trace import StepRecord
+from nanoserve.engine.loop.trace import StepRecord
 from nanoserve.testing import save_tiny_model
 
 # What to run: "ref" (the reference in src/nanoserve), "starter", a path to your own .py file

@@ -75,7 +75,7 @@ print(f"stage 12's lookup, rule and loop from {IMPL!r}")
 # prompts repeat themselves, so the n-gram proposer finds something to copy; the third does
 # not. A random model soon repeats itself too, and then the guesses start to be right.
 #
-# The engine calls `on_step` once per step with a `StepRecord` (`engine/trace.py`). For a
+# The engine calls `on_step` once per step with a `StepRecord` (`engine/loop/trace.py`). For a
 # verify step it is called *before* the rollback, with `gained`: per sequence, the kept
 # guesses and the drawn token. At that moment each sequence still holds its guesses (the last
 # `num_draft_tokens` of its `token_ids`) and the blocks grown for them; after `step()` returns,

@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from nanoserve.engine.allocator import BlockAllocator, OutOfBlocks
+from nanoserve.engine.memory.allocator import BlockAllocator, OutOfBlocks
 
 # --- order and counts ---------------------------------------------------------------------------
 

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoserve.engine.allocator import BlockAllocator, OutOfBlocks
-from nanoserve.engine.block_table import BlockPosition, BlockTable
+from nanoserve.engine.memory.allocator import BlockAllocator, OutOfBlocks
+from nanoserve.engine.memory.block_table import BlockPosition, BlockTable
 
 # --- the seed's traces --------------------------------------------------------------------------
 

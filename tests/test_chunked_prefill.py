@@ -4,7 +4,7 @@ does not hold back shorter prompts behind it, and gives the tokens of a whole-pr
 import pytest
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.engine.prefix_block_manager import PrefixBlockManager
+from nanoserve.engine.memory.prefix_block_manager import PrefixBlockManager
 from nanoserve.testing import ENGINE_MAX_MODEL_LEN
 
 PROMPTS = [list(range(1, 4)), list(range(10, 70)), [5, 6], list(range(100, 117))]

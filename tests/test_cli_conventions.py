@@ -14,7 +14,7 @@ import torch
 import nanoserve
 from nanoserve.cli import build_parser, main
 from nanoserve.config import ENGINE_OPTIONS
-from nanoserve.engine.kv_manager import PrefixCachingManager
+from nanoserve.engine.memory.kv_manager import PrefixCachingManager
 from nanoserve.kernels.backend import BACKEND_NAMES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -217,7 +217,7 @@ def test_prefix_caching_asked_of_a_stage_without_one_is_refused(folder):
 
 def test_prefix_caching_off_and_your_own_prefix_manager_are_refused_together(folder):
     from nanoserve import LLM
-    from nanoserve.engine.prefix_block_manager import PrefixBlockManager
+    from nanoserve.engine.memory.prefix_block_manager import PrefixBlockManager
 
     with pytest.raises(ValueError, match="enable_prefix_caching=False"):
         LLM(

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.engine.cuda_graphs import (
+from nanoserve.engine.runner.cuda_graphs import (
     DecodeGraphs,
     bucket_for,
     fill_static,
@@ -20,7 +20,7 @@ from nanoserve.engine.cuda_graphs import (
     table_width,
     view_rows,
 )
-from nanoserve.engine.input_packer import prepare_decode, prepare_prefill
+from nanoserve.engine.runner.input_packer import prepare_decode, prepare_prefill
 from nanoserve.testing import RerunGraph
 from nanoserve.types import Sequence
 

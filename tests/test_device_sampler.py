@@ -4,7 +4,7 @@ request alone, and the draws follow softmax(logits / T) after top-k and top-p (c
 import pytest
 import torch
 
-from nanoserve.device_sampler import (
+from nanoserve.samplers.device_sampler import (
     SamplingTensors,
     filter_mask,
     gumbel_argmax,

@@ -13,7 +13,7 @@ import torch
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.cache.paged import PagedKVPool
-from nanoserve.engine.input_packer import prepare_decode, prepare_prefill
+from nanoserve.engine.runner.input_packer import prepare_decode, prepare_prefill
 from nanoserve.kernels.torch_paged import TorchPagedAttention
 from nanoserve.recipes.assemble import recipe_for
 from nanoserve.stages import implemented_stages

@@ -129,13 +129,13 @@ def test_every_path_the_manifest_names_for_an_implemented_stage_exists(stage):
 def test_reference_and_starter_load_the_same_names():
     ref, starter = grading.load_impl(2, "ref"), grading.load_impl(2, "starter")
     assert sorted(vars(ref)) == sorted(vars(starter)) == ["BlockAllocator", "OutOfBlocks"]
-    assert ref.BlockAllocator.__module__ == "nanoserve.engine.allocator"
+    assert ref.BlockAllocator.__module__ == "nanoserve.engine.memory.allocator"
 
 
 # A learner's stage-02 file: its own BlockAllocator (a file of nothing but the reference's objects
 # is refused: tests/test_impl_refusal.py).
 MINE = (
-    "from nanoserve.engine.allocator import BlockAllocator as Reference, OutOfBlocks\n"
+    "from nanoserve.engine.memory.allocator import BlockAllocator as Reference, OutOfBlocks\n"
     "class BlockAllocator(Reference):\n    pass\n"
 )
 
@@ -180,18 +180,18 @@ def test_the_stage_04_starter_pattern_loads_your_stage_02_03_files_wherever_pyte
     learner = tmp_path / "learner"
     learner.mkdir()
     (learner / "my_allocator.py").write_text(
-        "from nanoserve.engine.allocator import BlockAllocator as Reference, OutOfBlocks\n"
+        "from nanoserve.engine.memory.allocator import BlockAllocator as Reference, OutOfBlocks\n"
         "class BlockAllocator(Reference):\n    pass\n"
     )
     (learner / "my_block_table.py").write_text(
-        "from nanoserve.engine.block_table import BlockPosition, BlockTable as Reference\n"
+        "from nanoserve.engine.memory.block_table import BlockPosition, BlockTable as Reference\n"
         "class BlockTable(Reference):\n    pass\n"
     )
     (learner / "my_pool.py").write_text(
         "\n".join(pattern) + "\n"
-        "from nanoserve.engine.input_packer import prepare_decode, prepare_prefill\n"
+        "from nanoserve.engine.runner.input_packer import prepare_decode, prepare_prefill\n"
         "from nanoserve.kernels.torch_paged import gather_kv, store_kvcache\n"
-        "from nanoserve.engine.block_manager import BlockManager as Reference\n"
+        "from nanoserve.engine.memory.block_manager import BlockManager as Reference\n"
         "class BlockManager(Reference):\n"
         "    def __init__(self, num_blocks, block_size):\n"
         "        super().__init__(num_blocks, block_size, BlockAllocator, BlockTable)\n"

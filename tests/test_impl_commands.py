@@ -41,7 +41,7 @@ def learner_file(tmp_path, name: str, source: str) -> str:
 
 # A learner's stage-03 file: the reference's BlockTable, changed so that it shows it ran.
 MY_TABLE = """
-    from nanoserve.engine.block_table import BlockPosition, BlockTable as _Reference
+    from nanoserve.engine.memory.block_table import BlockPosition, BlockTable as _Reference
 
     class BlockTable(_Reference):
         def __init__(self, *args, **kwargs):
@@ -51,8 +51,8 @@ MY_TABLE = """
 
 # A learner's stage-07 file: the reference's manager, without the reference's hit_rate.
 MY_PREFIX = """
-    from nanoserve.engine.prefix_block_manager import PrefixBlockManager as _Reference
-    from nanoserve.engine.prefix_block_manager import chain_hash
+    from nanoserve.engine.memory.prefix_block_manager import PrefixBlockManager as _Reference
+    from nanoserve.engine.memory.prefix_block_manager import chain_hash
 
     class PrefixBlockManager(_Reference):
         hit_rate = None  # a learner's manager need not keep one
@@ -156,7 +156,7 @@ def test_stage_2s_allocator_runs_in_stage_3s_engine_and_says_so(folder, tmp_path
         tmp_path,
         "my_allocator.py",
         """
-        from nanoserve.engine.allocator import BlockAllocator as _Reference, OutOfBlocks
+        from nanoserve.engine.memory.allocator import BlockAllocator as _Reference, OutOfBlocks
 
         class BlockAllocator(_Reference):
             def allocate(self, *args, **kwargs):

@@ -1,5 +1,6 @@
 """A learner file that only re-exports the reference is refused, in one line, before any test
-runs (issue 29): `from nanoserve.engine.overlap_engine import *` would otherwise pass every graded
+runs (issue 29): `from nanoserve.engine.loop.overlap_engine import *` would otherwise pass every
+graded
 test of its stage in its author's name. The starter and a genuine copy of the reference load."""
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ GRADED = [stage.number for stage in STAGES if has_learner_api(stage.number)]
 
 REEXPORTS_11 = {
     "star": (
-        "from nanoserve.engine.overlap_engine import *\n"
-        "from nanoserve.engine.persistent_batch import PersistentBatch\n"
+        "from nanoserve.engine.loop.overlap_engine import *\n"
+        "from nanoserve.engine.runner.persistent_batch import PersistentBatch\n"
     ),
     "names": (
-        "from nanoserve.engine.overlap_engine import OverlapEngine, OverlapScheduler\n"
-        "from nanoserve.engine.persistent_batch import PersistentBatch\n"
+        "from nanoserve.engine.loop.overlap_engine import OverlapEngine, OverlapScheduler\n"
+        "from nanoserve.engine.runner.persistent_batch import PersistentBatch\n"
     ),
 }
 

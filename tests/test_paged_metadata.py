@@ -2,8 +2,8 @@
 
 import torch
 
-from nanoserve.engine.block_manager import BlockManager
-from nanoserve.engine.input_packer import prepare_decode, prepare_prefill
+from nanoserve.engine.memory.block_manager import BlockManager
+from nanoserve.engine.runner.input_packer import prepare_decode, prepare_prefill
 from nanoserve.kernels.torch_paged import gather_kv, store_kvcache
 from nanoserve.sampling import SamplingParams
 from nanoserve.types import Sequence

@@ -8,9 +8,9 @@ from hypothesis.stateful import invariant, precondition, rule
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import EngineConfig
-from nanoserve.engine.input_packer import chunk_end, prepare_prefill
-from nanoserve.engine.prefix_block_manager import PrefixBlockManager, chain_hash
-from nanoserve.engine.scheduler import Scheduler
+from nanoserve.engine.loop.scheduler import Scheduler
+from nanoserve.engine.memory.prefix_block_manager import PrefixBlockManager, chain_hash
+from nanoserve.engine.runner.input_packer import chunk_end, prepare_prefill
 from nanoserve.testing import ENGINE_MAX_MODEL_LEN
 from nanoserve.types import Sequence
 

@@ -13,8 +13,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import EngineConfig
-from nanoserve.engine.block_manager import BlockManager
-from nanoserve.engine.scheduler import Scheduler
+from nanoserve.engine.loop.scheduler import Scheduler
+from nanoserve.engine.memory.block_manager import BlockManager
 from nanoserve.types import Sequence, SequenceStatus
 
 STOP = 7  # a fake "EOS": some requests finish early when this id is sampled

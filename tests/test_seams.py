@@ -11,11 +11,11 @@ import pytest
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.cache.kv_cache import KVCache
-from nanoserve.engine.allocator import BlockAllocator
-from nanoserve.engine.block_manager import BlockManager
-from nanoserve.engine.block_table import BlockTable
-from nanoserve.engine.input_packer import prepare_decode
-from nanoserve.engine.kv_manager import KVCacheManager
+from nanoserve.engine.memory.allocator import BlockAllocator
+from nanoserve.engine.memory.block_manager import BlockManager
+from nanoserve.engine.memory.block_table import BlockTable
+from nanoserve.engine.memory.kv_manager import KVCacheManager
+from nanoserve.engine.runner.input_packer import prepare_decode
 from nanoserve.kernels.backend import (
     AttentionBackend,
     check_block_size,

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.device_sampler import SamplingTensors
-from nanoserve.speculative_sampler import verify
+from nanoserve.samplers.device_sampler import SamplingTensors
+from nanoserve.samplers.speculative_sampler import verify
 from nanoserve.testing import engine_requests
 
 from .conftest import TINY_FAMILIES
@@ -226,7 +226,7 @@ def test_the_verify_step_as_decode_rows_gives_stage11s_tokens(
     tiny_checkpoints, family, monkeypatch
 ):
     # on a GPU a graph replays the verify step as decode rows, one per token; here, forced
-    from nanoserve.engine.speculative_runner import SpeculativeRunner, verify_rows
+    from nanoserve.engine.speculation.speculative_runner import SpeculativeRunner, verify_rows
 
     monkeypatch.setattr(
         SpeculativeRunner, "verify_message", lambda self, seqs: verify_rows(seqs, as_decode=True)

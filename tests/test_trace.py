@@ -3,7 +3,7 @@
 import pytest
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.engine.trace import format_step
+from nanoserve.engine.loop.trace import format_step
 
 
 def traced(llm: LLM, prompts, max_tokens: int) -> list[str]:
@@ -60,7 +60,7 @@ def test_trace_of_the_block_table_engine_shows_tables_and_free_blocks(tiny_check
 
 
 def test_trace_marks_a_block_shared_by_two_sequences_with_its_holders(tiny_checkpoints):
-    from nanoserve.engine.prefix_block_manager import PrefixBlockManager
+    from nanoserve.engine.memory.prefix_block_manager import PrefixBlockManager
 
     folder, _ = tiny_checkpoints["llama"]
     llm = LLM(

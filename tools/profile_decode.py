@@ -18,7 +18,7 @@ from collections import defaultdict
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.engine.cuda_graphs import DecodeGraphs, table_width
+from nanoserve.engine.runner.cuda_graphs import DecodeGraphs, table_width
 from nanoserve.layers.compiled import fuse_small_ops
 
 

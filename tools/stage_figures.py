@@ -19,8 +19,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle
 
-from nanoserve.engine.allocator import BlockAllocator
-from nanoserve.engine.block_table import BlockTable
+from nanoserve.engine.memory.allocator import BlockAllocator
+from nanoserve.engine.memory.block_table import BlockTable
 
 ROOT = Path(__file__).resolve().parents[1]
 COLORS = {"A": "#7fb3d5", "B": "#f5b041", "C": "#82e0aa", "free": "#ecf0f1", "hi": "#f1948a"}

@@ -75,7 +75,7 @@ def cmd_generate(args) -> int:
     else:
         prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in args.prompts]
     if args.trace:
-        from nanoserve.engine.trace import format_step
+        from nanoserve.engine.loop.trace import format_step
 
         llm.engine.on_step = lambda record: print(format_step(record, llm.engine.manager))
     if len(prompts) == 1 and llm.tokenizer is not None and not args.trace:

@@ -10,17 +10,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from nanoserve.engine.allocator import BlockAllocator, OutOfBlocks
-from nanoserve.engine.block_manager import BlockManager
-from nanoserve.engine.block_table import BlockPosition, BlockTable
-from nanoserve.engine.cuda_graphs import bucket_for, fill_static, graph_buckets
-from nanoserve.engine.input_packer import pad_decode, prepare_decode, prepare_prefill
-from nanoserve.engine.ngram_proposer import propose_ngram
-from nanoserve.engine.overlap_engine import OverlapEngine, OverlapScheduler
-from nanoserve.engine.persistent_batch import PersistentBatch
-from nanoserve.engine.prefix_block_manager import PrefixBlockManager, chain_hash
-from nanoserve.engine.slab_manager import SlabManager
-from nanoserve.engine.speculative_engine import SpeculativeEngine, SpeculativeScheduler
+from nanoserve.engine.loop.overlap_engine import OverlapEngine, OverlapScheduler
+from nanoserve.engine.memory.allocator import BlockAllocator, OutOfBlocks
+from nanoserve.engine.memory.block_manager import BlockManager
+from nanoserve.engine.memory.block_table import BlockPosition, BlockTable
+from nanoserve.engine.memory.prefix_block_manager import PrefixBlockManager, chain_hash
+from nanoserve.engine.memory.slab_manager import SlabManager
+from nanoserve.engine.runner.cuda_graphs import bucket_for, fill_static, graph_buckets
+from nanoserve.engine.runner.input_packer import pad_decode, prepare_decode, prepare_prefill
+from nanoserve.engine.runner.persistent_batch import PersistentBatch
+from nanoserve.engine.speculation.ngram_proposer import propose_ngram
+from nanoserve.engine.speculation.speculative_engine import SpeculativeEngine, SpeculativeScheduler
 from nanoserve.kernels.attention import attend
 from nanoserve.kernels.slab_attention import load_slab, store_slab
 from nanoserve.kernels.torch_paged import gather_kv, store_kvcache
@@ -29,7 +29,7 @@ from nanoserve.layers.norm import rms_norm
 from nanoserve.layers.rotary import apply_rotary, rope_cos_sin, rope_inv_freq, rotate_half
 from nanoserve.layers.shards import padded_shard_range, shard_range
 from nanoserve.models.decoder import swiglu
-from nanoserve.rejection import num_accepted, residual
+from nanoserve.samplers.rejection import num_accepted, residual
 from nanoserve.sampling import filter_probs, sample_one
 from nanoserve.serving.async_engine import AsyncEngine
 

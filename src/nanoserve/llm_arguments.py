@@ -12,7 +12,7 @@ import numbers
 
 import torch
 
-from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.memory.block_manager import BlockManager
 from nanoserve.recipes.assemble import recipe_for
 from nanoserve.stages import implemented_stages
 

@@ -142,7 +142,7 @@ def assert_num_free(allocator, want: int, when: str) -> None:
 @torch.inference_mode()
 def next_token_logits(model, token_ids: list[int]) -> torch.Tensor:
     """Logits (V,) after token_ids by a full recompute (stage 00's arithmetic), float32 on CPU."""
-    from nanoserve.engine.input_packer import pack_step
+    from nanoserve.engine.runner.input_packer import pack_step
     from nanoserve.kernels.attention import NoCacheAttention
     from nanoserve.sampling import SamplingParams
     from nanoserve.types import Sequence
@@ -160,7 +160,7 @@ class RerunGraph:
     views into the same output tensor. Like a graph, it reads only what the buffers hold."""
 
     def __init__(self, graphs, bucket: int):
-        from nanoserve.engine.graph_buffers import view_rows
+        from nanoserve.engine.runner.graph_buffers import view_rows
 
         self.model, self.attention = graphs.model, graphs.attention
         self.inputs = view_rows(graphs.static, bucket)

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nanoserve import LLM
-from nanoserve.engine.allocator import BlockAllocator, OutOfBlocks
+from nanoserve.engine.memory.allocator import BlockAllocator, OutOfBlocks
 from nanoserve.testing import (
     ENGINE_MAX_MODEL_LEN,
     ENGINE_PROMPT_LENGTHS,

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.engine.allocator import BlockAllocator  # noqa: F401  (stage 02; use it in task 1)
-from nanoserve.engine.block_table import BlockTable  # noqa: F401  (stage 03; use it in task 1)
-from nanoserve.engine.step_tensors import step_inputs_from_lists  # noqa: F401  (tasks 4, 5)
+from nanoserve.engine.memory.allocator import BlockAllocator  # noqa: F401  (stage 02; use it in task 1)
+from nanoserve.engine.memory.block_table import BlockTable  # noqa: F401  (stage 03; use it in task 1)
+from nanoserve.engine.runner.step_tensors import step_inputs_from_lists  # noqa: F401  (tasks 4, 5)
 from nanoserve.types import Sequence, StepInputs
 
 # StepInputs (with its AttentionMetadata, in nanoserve/types.py) is what the engine reads: the

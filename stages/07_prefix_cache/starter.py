@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from nanoserve.engine.block_manager import BlockManager
-from nanoserve.engine.kv_manager import Admission, blocks_for, grow_table  # noqa: F401  (tasks 2, 4)
+from nanoserve.engine.memory.block_manager import BlockManager
+from nanoserve.engine.memory.kv_manager import Admission, blocks_for, grow_table  # noqa: F401  (tasks 2, 4)
 from nanoserve.types import Sequence
 
 # BlockManager above is stage 04's reference. Your class inherits its state and the calls this

@@ -21,8 +21,8 @@ import pytest
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import EngineConfig
-from nanoserve.engine.input_packer import chunk_end, prepare_decode, prepare_prefill
-from nanoserve.engine.scheduler import Scheduler
+from nanoserve.engine.loop.scheduler import Scheduler
+from nanoserve.engine.runner.input_packer import chunk_end, prepare_decode, prepare_prefill
 from nanoserve.types import Sequence
 
 # the seed's prompts: pages of 4 written apart so the block boundaries show

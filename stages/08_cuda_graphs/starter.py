@@ -21,10 +21,11 @@ functions, with a CPU stand-in for each graph. Task 5 captures real CUDA graphs:
 
 from __future__ import annotations
 
-from nanoserve.engine.graph_buffers import view_rows  # noqa: F401  (given; use it in task 3)
+from nanoserve.engine.runner.graph_buffers import view_rows  # noqa: F401  (given; use it in task 3)
 from nanoserve.types import StepInputs
 
-# Given (in nanoserve/engine/graph_buffers.py): `static_decode_inputs(max_batch, width, device)`
+# Given (in nanoserve/engine/runner/graph_buffers.py):
+# `static_decode_inputs(max_batch, width, device)`
 # allocates the static buffers, every row padding; `view_rows(static, rows)` is the StepInputs
 # of their first `rows` rows, as views (same memory); `DecodeGraphs` captures one graph per
 # bucket and replays them, calling the four functions below.

@@ -5,7 +5,7 @@ Run against any implementation with `pytest stages/08_cuda_graphs --impl ref|sta
 Tasks 1 to 3 call your functions on small decode steps that the reference `prepare_decode`
 packs (block_size 4, block tables set by hand); task 3 pads with the reference `pad_decode`, so
 each task is graded on its own. Task 4 runs the engine's graph runner, `DecodeGraphs`
-(nanoserve/engine/cuda_graphs.py), on your four functions, on a CPU: each captured graph is
+(nanoserve/engine/runner/cuda_graphs.py), on your four functions, on a CPU: each captured graph is
 replaced by a stand-in that runs the model again on the bucket's rows of the static buffers,
 which is all a real graph can read, so a value you did not copy in is a value the model never
 sees. Task 5 captures real CUDA graphs and skips without a GPU (a skip is not a pass). The
@@ -21,10 +21,15 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.engine import cuda_graphs
-from nanoserve.engine.cuda_graphs import DecodeGraphs, static_decode_inputs, table_width, view_rows
-from nanoserve.engine.input_packer import pad_decode as reference_pad_decode
-from nanoserve.engine.input_packer import prepare_decode
+from nanoserve.engine.runner import cuda_graphs
+from nanoserve.engine.runner.cuda_graphs import (
+    DecodeGraphs,
+    static_decode_inputs,
+    table_width,
+    view_rows,
+)
+from nanoserve.engine.runner.input_packer import pad_decode as reference_pad_decode
+from nanoserve.engine.runner.input_packer import prepare_decode
 from nanoserve.kernel_memory import empty_is_poison
 from nanoserve.testing import RerunGraph
 from nanoserve.types import Sequence, StepInputs

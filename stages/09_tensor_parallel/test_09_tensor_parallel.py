@@ -139,7 +139,7 @@ def head_check(impl, tp, source, vocab_size, hidden, states, tied):
 
 def last_logits(model, ids: list[int]) -> torch.Tensor | None:
     """(V,) logits after ids by a full recompute (stage 00's arithmetic); None off rank 0."""
-    from nanoserve.engine.input_packer import pack_step
+    from nanoserve.engine.runner.input_packer import pack_step
     from nanoserve.kernels.attention import NoCacheAttention
     from nanoserve.sampling import SamplingParams
     from nanoserve.types import Sequence

@@ -23,13 +23,13 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from nanoserve.engine.device_batch import DeviceBatch
-from nanoserve.engine.overlap_base import OverlapEngineBase, OverlapSchedulerBase
-from nanoserve.engine.overlap_runner import Launched
-from nanoserve.engine.scheduler import finish_reason  # noqa: F401  (given; use it in task 3)
+from nanoserve.engine.loop.overlap_base import OverlapEngineBase, OverlapSchedulerBase
+from nanoserve.engine.loop.scheduler import finish_reason  # noqa: F401  (given; use it in task 3)
+from nanoserve.engine.runner.device_batch import DeviceBatch
+from nanoserve.engine.runner.overlap_runner import Launched
 from nanoserve.types import Sequence, SequenceStatus  # noqa: F401  (task 3)
 
-# Given (nanoserve/engine/device_batch.py): `DeviceBatch(capacity, table_width, block_size,
+# Given (nanoserve/engine/runner/device_batch.py): `DeviceBatch(capacity, table_width, block_size,
 # device)` holds the rows' tensors; `grow(capacity)` makes room for more rows (old rows keep
 # their values); `write_params(row, params)` writes a request's sampling parameters into its row;
 # `upload(rows, changed_rows, columns, blocks)` copies the step's rows to the device in one go and

@@ -19,11 +19,15 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.engine.scheduler import finish_reason  # noqa: F401  (given; use it in task 3)
-from nanoserve.engine.speculative_base import SpeculativeEngineBase, SpeculativeSchedulerBase
+from nanoserve.engine.loop.scheduler import finish_reason  # noqa: F401  (given; use it in task 3)
+from nanoserve.engine.speculation.speculative_base import (
+    SpeculativeEngineBase,
+    SpeculativeSchedulerBase,
+)
 from nanoserve.types import ScheduledBatch, Sequence, SequenceStatus  # noqa: F401  (task 3)
 
-# Given (nanoserve/engine/speculative_base.py, speculative_runner.py, speculative_sampler.py):
+# Given (nanoserve/engine/speculation/speculative_base.py and speculative_runner.py,
+# nanoserve/samplers/speculative_sampler.py):
 # the scheduler's `budget(seq, k)` (how many guesses seq may take) and `discard_proposals`; the
 # engine's `propose(batch)`, which offers each decode sequence its guesses through your
 # `add_proposal` and returns the draft's distributions (None for n-gram guesses), and

@@ -19,8 +19,8 @@ import torch
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import EngineConfig
-from nanoserve.engine.block_manager import BlockManager
-from nanoserve.engine.prefix_block_manager import PrefixBlockManager
+from nanoserve.engine.memory.block_manager import BlockManager
+from nanoserve.engine.memory.prefix_block_manager import PrefixBlockManager
 from nanoserve.types import ScheduledBatch, Sequence, SequenceStatus
 
 API = ("propose_ngram", "num_accepted", "residual", "SpeculativeScheduler", "SpeculativeEngine")

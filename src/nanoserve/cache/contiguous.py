@@ -1,7 +1,8 @@
 """Stage 01: a contiguous K/V slab per running sequence, each sized for `max_model_len`.
 
-Introduced in stage 01. This module holds the tensor only: the packer (engine/input_packer.py)
-builds each step's inputs and `kernels/slab_attention.py` writes and reads the slabs.
+Introduced in stage 01. This module holds the tensor only: the packer
+(engine/runner/input_packer.py) builds each step's inputs and `kernels/slab_attention.py` writes
+and reads the slabs.
 A sequence gets one whole slab at admission, whatever its real length,
 so capacity is counted in worst-case sequences: that waste is what paging (stage 04) removes.
 There is no sharing and no preemption: a slab never runs out (generation stops at max_model_len).

@@ -1,6 +1,6 @@
 """Stage 03's cache: sequences live on block tables, and K/V sits at their flat slots.
 
-Introduced in stage 03. Each running sequence owns a `BlockTable` (engine/table_manager.py);
+Introduced in stage 03. Each running sequence owns a `BlockTable` (engine/memory/table_manager.py);
 every token's K/V is written to its flat slot of a per-layer tensor and read back by translating
 positions 0 .. n-1, one by one, through the table. Block-table reads of whole pages (and lazy
 growth with preemption) arrive in stage 04.

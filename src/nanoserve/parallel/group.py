@@ -25,7 +25,7 @@ from multiprocessing.process import BaseProcess
 
 from nanoserve.child_process import ChildDied, ChildProcess, Ready, broadcast, receive_all, stop_all
 from nanoserve.config import EngineConfig
-from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.engine.loop.llm_engine import LLMEngine
 from nanoserve.layers.tensor_parallel import TensorParallel
 from nanoserve.models.loader import load_model_config
 from nanoserve.parallel import process_group

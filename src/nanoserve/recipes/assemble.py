@@ -18,11 +18,11 @@ from typing import NamedTuple
 
 from nanoserve.cache.budget import kv_budget_bytes
 from nanoserve.config import EngineConfig
-from nanoserve.engine.cuda_graphs import DecodeGraphs, table_width
-from nanoserve.engine.kv_manager import KVCacheManager
-from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.engine.model_runner import ModelRunner, StepFanout, warmup_peak_bytes
-from nanoserve.engine.overlap_runner import OverlapRunner
+from nanoserve.engine.loop.llm_engine import LLMEngine
+from nanoserve.engine.memory.kv_manager import KVCacheManager
+from nanoserve.engine.runner.cuda_graphs import DecodeGraphs, table_width
+from nanoserve.engine.runner.model_runner import ModelRunner, StepFanout, warmup_peak_bytes
+from nanoserve.engine.runner.overlap_runner import OverlapRunner
 from nanoserve.kernels.backend import (
     BackendChoice,
     check_block_size,

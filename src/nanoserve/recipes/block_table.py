@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from nanoserve.cache.slot_cache import SlotKVCache
 from nanoserve.config import EngineConfig
-from nanoserve.engine.allocator import BlockAllocator
-from nanoserve.engine.block_table import BlockTable
-from nanoserve.engine.input_packer import InputPacker
-from nanoserve.engine.table_manager import TableManager
+from nanoserve.engine.memory.allocator import BlockAllocator
+from nanoserve.engine.memory.block_table import BlockTable
+from nanoserve.engine.memory.table_manager import TableManager
+from nanoserve.engine.runner.input_packer import InputPacker
 from nanoserve.kernels.slot_attention import SlotAttention
 from nanoserve.recipes.recipe import EngineParts, Recipe, Sizing
 

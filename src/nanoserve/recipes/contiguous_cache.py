@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from nanoserve.cache.contiguous import ContiguousKVCache
 from nanoserve.config import EngineConfig
-from nanoserve.engine.input_packer import InputPacker, slab_table
-from nanoserve.engine.slab_manager import SlabManager
+from nanoserve.engine.memory.slab_manager import SlabManager
+from nanoserve.engine.runner.input_packer import InputPacker, slab_table
 from nanoserve.kernels.slab_attention import SlabAttention, load_slab, store_slab
 from nanoserve.recipes.recipe import EngineParts, Recipe, Sizing
 

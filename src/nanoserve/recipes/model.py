@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from nanoserve.cache.no_cache import NoCache
 from nanoserve.config import EngineConfig
-from nanoserve.engine.input_packer import InputPacker, no_table
-from nanoserve.engine.kv_manager import NoCacheManager
+from nanoserve.engine.memory.kv_manager import NoCacheManager
+from nanoserve.engine.runner.input_packer import InputPacker, no_table
 from nanoserve.kernels.attention import NoCacheAttention
 from nanoserve.recipes.recipe import EngineParts, Recipe, Sizing
 

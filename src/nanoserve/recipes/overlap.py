@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.cuda_graphs import table_width
-from nanoserve.engine.overlap_engine import OverlapEngine
-from nanoserve.engine.persistent_batch import PersistentBatch
+from nanoserve.engine.loop.overlap_engine import OverlapEngine
+from nanoserve.engine.runner.cuda_graphs import table_width
+from nanoserve.engine.runner.persistent_batch import PersistentBatch
 from nanoserve.recipes import prefix_cache, tensor_parallel
 from nanoserve.recipes.recipe import EngineParts, Sizing
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from nanoserve.cache.paged import PagedKVPool
 from nanoserve.config import EngineConfig
-from nanoserve.engine.block_manager import BlockManager
-from nanoserve.engine.input_packer import InputPacker
+from nanoserve.engine.memory.block_manager import BlockManager
+from nanoserve.engine.runner.input_packer import InputPacker
 from nanoserve.kernels.backend import AttentionBackend
 from nanoserve.kernels.torch_paged import TorchPagedAttention
 from nanoserve.recipes.paged_pool import build_pool

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from nanoserve.cache.paged import PagedKVPool
 from nanoserve.config import EngineConfig
-from nanoserve.engine.block_manager import BlockManager
-from nanoserve.engine.input_packer import InputPacker, prepare_decode, prepare_prefill
+from nanoserve.engine.memory.block_manager import BlockManager
+from nanoserve.engine.runner.input_packer import InputPacker, prepare_decode, prepare_prefill
 from nanoserve.kernels.torch_paged import TorchPagedAttention, gather_kv, store_kvcache
 from nanoserve.recipes.recipe import EngineParts, Recipe, Sizing
 

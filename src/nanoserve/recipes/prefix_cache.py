@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.input_packer import InputPacker
-from nanoserve.engine.prefix_block_manager import PrefixBlockManager
+from nanoserve.engine.memory.prefix_block_manager import PrefixBlockManager
+from nanoserve.engine.runner.input_packer import InputPacker
 from nanoserve.recipes.paged_attention import kernel_attention
 from nanoserve.recipes.paged_pool import build_pool
 from nanoserve.recipes.recipe import EngineParts, Recipe, Sizing

@@ -17,11 +17,11 @@ import torch
 from nanoserve.cache.budget import kv_bytes_per_token, units_in_budget
 from nanoserve.cache.kv_cache import KVCache
 from nanoserve.config import EngineConfig
-from nanoserve.engine.input_packer import InputPacker
-from nanoserve.engine.kv_manager import KVCacheManager
-from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.engine.overlap_runner import OverlapRunner
-from nanoserve.engine.persistent_batch import PersistentBatch
+from nanoserve.engine.loop.llm_engine import LLMEngine
+from nanoserve.engine.memory.kv_manager import KVCacheManager
+from nanoserve.engine.runner.input_packer import InputPacker
+from nanoserve.engine.runner.overlap_runner import OverlapRunner
+from nanoserve.engine.runner.persistent_batch import PersistentBatch
 from nanoserve.kernels.backend import AttentionBackend
 from nanoserve.models.config import ModelConfig
 

@@ -12,17 +12,17 @@ import functools
 
 from nanoserve.cache.paged import PagedKVPool
 from nanoserve.config import EngineConfig
-from nanoserve.engine.draft_proposer import Draft
-from nanoserve.engine.ngram_proposer import propose_ngram
-from nanoserve.engine.speculative_base import speculative_method
-from nanoserve.engine.speculative_engine import SpeculativeEngine
-from nanoserve.engine.speculative_runner import SpeculativeRunner
+from nanoserve.engine.speculation.draft_proposer import Draft
+from nanoserve.engine.speculation.ngram_proposer import propose_ngram
+from nanoserve.engine.speculation.speculative_base import speculative_method
+from nanoserve.engine.speculation.speculative_engine import SpeculativeEngine
+from nanoserve.engine.speculation.speculative_runner import SpeculativeRunner
 from nanoserve.models.loader import load_model
 from nanoserve.recipes import overlap
 from nanoserve.recipes.paged_attention import kernel_attention
 from nanoserve.recipes.recipe import EngineParts, Sizing
-from nanoserve.rejection import num_accepted, residual
-from nanoserve.speculative_sampler import Rule
+from nanoserve.samplers.rejection import num_accepted, residual
+from nanoserve.samplers.speculative_sampler import Rule
 
 
 def build(config: EngineConfig, sizing: Sizing, parts: dict, backend: str) -> EngineParts:

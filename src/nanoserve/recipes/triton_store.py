@@ -8,8 +8,8 @@ backend is chosen: it is not a run dependency.
 from __future__ import annotations
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.block_manager import BlockManager
-from nanoserve.engine.input_packer import InputPacker
+from nanoserve.engine.memory.block_manager import BlockManager
+from nanoserve.engine.runner.input_packer import InputPacker
 from nanoserve.kernels.torch_paged import TorchPagedAttention
 from nanoserve.recipes.paged_pool import build_pool
 from nanoserve.recipes.recipe import EngineParts, Recipe, Sizing

@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 
-from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.engine.loop.llm_engine import LLMEngine
 from nanoserve.sampling import SamplingParams
 from nanoserve.serving.request_stream import (
     Abort,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.engine.step_tensors import step_inputs_from_lists
+from nanoserve.engine.runner.step_tensors import step_inputs_from_lists
 from nanoserve.types import (
     ScheduledBatch,
     Sequence,

@@ -22,9 +22,9 @@ from contextlib import contextmanager
 
 import torch
 
-from nanoserve.engine.graph_buffers import static_decode_inputs, view_rows
-from nanoserve.engine.input_packer import pad_decode
-from nanoserve.engine.kv_manager import blocks_for
+from nanoserve.engine.memory.kv_manager import blocks_for
+from nanoserve.engine.runner.graph_buffers import static_decode_inputs, view_rows
+from nanoserve.engine.runner.input_packer import pad_decode
 from nanoserve.types import StepInputs
 
 logger = logging.getLogger("nanoserve")

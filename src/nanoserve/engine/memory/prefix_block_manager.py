@@ -17,9 +17,9 @@ import hashlib
 from collections.abc import Callable
 from typing import NamedTuple
 
-from nanoserve.engine.block_manager import BlockManager
-from nanoserve.engine.block_table import BlockTable
-from nanoserve.engine.kv_manager import Admission, blocks_for
+from nanoserve.engine.memory.block_manager import BlockManager
+from nanoserve.engine.memory.block_table import BlockTable
+from nanoserve.engine.memory.kv_manager import Admission, blocks_for
 from nanoserve.types import Sequence
 
 

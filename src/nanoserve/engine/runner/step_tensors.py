@@ -1,7 +1,7 @@
 """Step tensors: a step's plain lists made into the device tensors the model reads.
 
 Introduced in stage 04, given to its learner (whose `prepare_prefill` / `prepare_decode` compute
-the lists; engine/input_packer.py holds the reference). It computes nothing about the batch:
+the lists; engine/runner/input_packer.py holds the reference). It computes nothing about the batch:
 dtypes, -1 padding of the block tables, max_seqlen_q/k, the host copies, and the copy to the
 device (through pinned memory on a GPU, without waiting).
 """

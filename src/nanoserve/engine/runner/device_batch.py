@@ -22,9 +22,9 @@ from collections.abc import Sequence as Seq
 import numpy as np
 import torch
 
-from nanoserve.device_sampler import SamplingTensors
-from nanoserve.engine.graph_buffers import static_decode_inputs
-from nanoserve.engine.step_tensors import to_device
+from nanoserve.engine.runner.graph_buffers import static_decode_inputs
+from nanoserve.engine.runner.step_tensors import to_device
+from nanoserve.samplers.device_sampler import SamplingTensors
 from nanoserve.sampling import SamplingParams
 from nanoserve.types import HostMetadata, Sequence, StepInputs
 

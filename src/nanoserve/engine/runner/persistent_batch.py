@@ -2,7 +2,7 @@
 
 Introduced in stage 11 (overlap scheduling); its learner writes this class. Up to stage 10 every
 step re-sends each sequence's whole block table. Here a request holds a row of the device batch
-(engine/device_batch.py, given) from its first step to its last, and a step sends only what
+(engine/runner/device_batch.py, given) from its first step to its last, and a step sends only what
 changed:
 
     first step         row r := a free row (lowest first); its sampling parameters written once
@@ -20,7 +20,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from nanoserve.engine.device_batch import DeviceBatch
+from nanoserve.engine.runner.device_batch import DeviceBatch
 from nanoserve.types import Sequence
 
 

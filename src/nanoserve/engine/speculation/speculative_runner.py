@@ -27,13 +27,13 @@ from typing import NamedTuple
 
 import torch
 
-from nanoserve.engine.cuda_graphs import bucket_for
-from nanoserve.engine.device_batch import to_device_ints
-from nanoserve.engine.kv_manager import blocks_for
-from nanoserve.engine.model_runner import forward_logits
-from nanoserve.engine.overlap_runner import OverlapRunner, needs_filter
+from nanoserve.engine.memory.kv_manager import blocks_for
+from nanoserve.engine.runner.cuda_graphs import bucket_for
+from nanoserve.engine.runner.device_batch import to_device_ints
+from nanoserve.engine.runner.model_runner import forward_logits
+from nanoserve.engine.runner.overlap_runner import OverlapRunner, needs_filter
 from nanoserve.logprobs import PendingLogprobs, logprob_tensors
-from nanoserve.speculative_sampler import RULE, Rule, verify
+from nanoserve.samplers.speculative_sampler import RULE, Rule, verify
 from nanoserve.types import ScheduledBatch, Sequence, StepInputs, StepMessage, StepRow
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from nanoserve.engine.kv_manager import CountsBlocks, CountsRefs, CountsSlabs
+from nanoserve.engine.memory.kv_manager import CountsBlocks, CountsRefs, CountsSlabs
 from nanoserve.types import ScheduledBatch, StepInputs
 
 

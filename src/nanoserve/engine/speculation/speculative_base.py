@@ -2,7 +2,7 @@
 bookkeeping and the acceptance counters.
 
 Introduced in stage 12, given to its learner (who writes `add_proposal`, `accept` and `step`,
-in engine/speculative_engine.py). Here: how many guesses a sequence may take (never past
+in engine/speculation/speculative_engine.py). Here: how many guesses a sequence may take (never past
 max_tokens or max_model_len, nor past what a captured graph replays), the back-off that lets
 the steps nobody guesses in overlap (`may_guess`; `drain` is stage 11's), which proposer
 guesses (n-gram or a draft), a failed step's proposals taken back, and what `bench`,
@@ -16,12 +16,12 @@ from typing import NamedTuple
 
 import torch
 
-from nanoserve.engine.block_manager import BlockManager
-from nanoserve.engine.draft_proposer import Draft, DraftProposer
-from nanoserve.engine.ngram_proposer import NgramProposer, propose_ngram
-from nanoserve.engine.overlap_engine import OverlapEngine, OverlapScheduler
-from nanoserve.engine.speculative_runner import SpeculativeRunner, Verified
-from nanoserve.speculative_sampler import RULE, Rule
+from nanoserve.engine.loop.overlap_engine import OverlapEngine, OverlapScheduler
+from nanoserve.engine.memory.block_manager import BlockManager
+from nanoserve.engine.speculation.draft_proposer import Draft, DraftProposer
+from nanoserve.engine.speculation.ngram_proposer import NgramProposer, propose_ngram
+from nanoserve.engine.speculation.speculative_runner import SpeculativeRunner, Verified
+from nanoserve.samplers.speculative_sampler import RULE, Rule
 from nanoserve.types import ScheduledBatch, Sequence
 
 
@@ -112,7 +112,9 @@ class SpeculativeEngineBase(OverlapEngine):
         super().__init__(*args, **kwargs)
         config = self.config
         self.num_speculative_tokens = config.num_speculative_tokens
-        self.rule = rule  # the rejection rule's two functions (a learner's, or rejection.py's)
+        self.rule = (
+            rule  # the rejection rule's two functions (a learner's, or samplers/rejection.py's)
+        )
         self.proposer: NgramProposer | DraftProposer
         if speculative_method(config) == "ngram":
             self.proposer = NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min,

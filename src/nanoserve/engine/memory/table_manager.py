@@ -8,9 +8,9 @@ the promise is made at admission. Lazy reservation with preemption arrives in st
 
 from __future__ import annotations
 
-from nanoserve.engine.allocator import BlockAllocator
-from nanoserve.engine.block_table import BlockTable
-from nanoserve.engine.kv_manager import blocks_for, check_blocks_fit, grow_table
+from nanoserve.engine.memory.allocator import BlockAllocator
+from nanoserve.engine.memory.block_table import BlockTable
+from nanoserve.engine.memory.kv_manager import blocks_for, check_blocks_fit, grow_table
 from nanoserve.types import Sequence
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.kv_manager import KVCacheManager, PrefixCachingManager
+from nanoserve.engine.memory.kv_manager import KVCacheManager, PrefixCachingManager
 from nanoserve.types import ScheduledBatch, Sequence, SequenceStatus
 
 

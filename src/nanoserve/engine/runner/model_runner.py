@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from nanoserve.cache.kv_cache import KVCache
 from nanoserve.config import EngineConfig
-from nanoserve.engine.cuda_graphs import DecodeGraphs
-from nanoserve.engine.input_packer import InputPacker, pack_step
+from nanoserve.engine.runner.cuda_graphs import DecodeGraphs
+from nanoserve.engine.runner.input_packer import InputPacker, pack_step
 from nanoserve.kernels.attention import NoCacheAttention
 from nanoserve.kernels.backend import AttentionBackend
 from nanoserve.logprobs import pending_logprobs

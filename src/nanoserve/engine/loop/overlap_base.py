@@ -1,7 +1,7 @@
 """The given parts of stage 11's loop: what the overlap scheduler and engine share with stage 10's.
 
 Introduced in stage 11, given to its learner (who writes `commit`, `resolve` and `step`, in
-engine/overlap_engine.py). Here: a sequence whose owed token ends it by length is not scheduled
+engine/loop/overlap_engine.py). Here: a sequence whose owed token ends it by length is not scheduled
 again; a preempted or aborted sequence gives its row back; `_launch` schedules a batch and hands
 it to the runner (undoing the schedule if the launch fails); the engine has work while a step is
 in flight, and a step that leaves nothing queued resolves the one in flight (`settled`).
@@ -13,10 +13,10 @@ import functools
 from collections.abc import Callable
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.kv_manager import KVCacheManager
-from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.engine.overlap_runner import Launched, OverlapRunner
-from nanoserve.engine.scheduler import Scheduler
+from nanoserve.engine.loop.llm_engine import LLMEngine
+from nanoserve.engine.loop.scheduler import Scheduler
+from nanoserve.engine.memory.kv_manager import KVCacheManager
+from nanoserve.engine.runner.overlap_runner import Launched, OverlapRunner
 from nanoserve.types import ScheduledBatch, Sequence, SequenceStatus
 
 

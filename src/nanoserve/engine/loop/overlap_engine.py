@@ -20,9 +20,9 @@ What that changes, and how each consequence is handled:
 
 from __future__ import annotations
 
-from nanoserve.engine.overlap_base import OverlapEngineBase, OverlapSchedulerBase
-from nanoserve.engine.overlap_runner import Launched
-from nanoserve.engine.scheduler import finish_reason
+from nanoserve.engine.loop.overlap_base import OverlapEngineBase, OverlapSchedulerBase
+from nanoserve.engine.loop.scheduler import finish_reason
+from nanoserve.engine.runner.overlap_runner import Launched
 from nanoserve.types import Sequence
 
 

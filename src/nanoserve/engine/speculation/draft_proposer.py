@@ -26,12 +26,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from nanoserve.device_sampler import row_keys
-from nanoserve.engine.device_batch import to_device_ints
-from nanoserve.engine.input_packer import pack_rows
-from nanoserve.engine.overlap_runner import OverlapRunner, needs_filter
+from nanoserve.engine.runner.device_batch import to_device_ints
+from nanoserve.engine.runner.input_packer import pack_rows
+from nanoserve.engine.runner.overlap_runner import OverlapRunner, needs_filter
 from nanoserve.models.decoder import CausalLM
-from nanoserve.speculative_sampler import DRAFT_STREAM, draw, probabilities
+from nanoserve.samplers.device_sampler import row_keys
+from nanoserve.samplers.speculative_sampler import DRAFT_STREAM, draw, probabilities
 from nanoserve.types import Sequence, StepRow
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from nanoserve.engine.allocator import BlockAllocator
+from nanoserve.engine.memory.allocator import BlockAllocator
 
 
 class BlockPosition(NamedTuple):

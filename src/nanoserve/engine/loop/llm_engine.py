@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.kv_manager import KVCacheManager
-from nanoserve.engine.model_runner import ModelRunner
-from nanoserve.engine.scheduler import Scheduler
-from nanoserve.engine.trace import StepRecord
+from nanoserve.engine.loop.scheduler import Scheduler
+from nanoserve.engine.loop.trace import StepRecord
+from nanoserve.engine.memory.kv_manager import KVCacheManager
+from nanoserve.engine.runner.model_runner import ModelRunner
 from nanoserve.kernels.backend import BackendChoice
 from nanoserve.sampling import SamplingParams, clamp
 from nanoserve.types import Sequence

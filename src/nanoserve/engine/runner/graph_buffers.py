@@ -1,7 +1,7 @@
 """Graph buffers: the static decode inputs every CUDA graph reads, and views of their first rows.
 
 Introduced in stage 08, given to its learner (whose `fill_static` copies a step into them;
-engine/cuda_graphs.py holds the reference). Allocated once, for the largest bucket: padding
+engine/runner/cuda_graphs.py holds the reference). Allocated once, for the largest bucket: padding
 rows write to slot -1 and read context length 0, so a graph of any bucket may read them.
 """
 

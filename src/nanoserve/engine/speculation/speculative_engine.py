@@ -19,8 +19,11 @@ speculative_base.py) and the steps between their guesses are stage 11's, overlap
 
 from __future__ import annotations
 
-from nanoserve.engine.scheduler import finish_reason
-from nanoserve.engine.speculative_base import SpeculativeEngineBase, SpeculativeSchedulerBase
+from nanoserve.engine.loop.scheduler import finish_reason
+from nanoserve.engine.speculation.speculative_base import (
+    SpeculativeEngineBase,
+    SpeculativeSchedulerBase,
+)
 from nanoserve.types import ScheduledBatch, Sequence
 
 

@@ -21,13 +21,13 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from nanoserve.device_sampler import sample
-from nanoserve.engine.cuda_graphs import bucket_for
-from nanoserve.engine.device_batch import to_device_ints
-from nanoserve.engine.graph_buffers import view_rows
-from nanoserve.engine.model_runner import ModelRunner, completes_prompt
-from nanoserve.engine.persistent_batch import PersistentBatch
+from nanoserve.engine.runner.cuda_graphs import bucket_for
+from nanoserve.engine.runner.device_batch import to_device_ints
+from nanoserve.engine.runner.graph_buffers import view_rows
+from nanoserve.engine.runner.model_runner import ModelRunner, completes_prompt
+from nanoserve.engine.runner.persistent_batch import PersistentBatch
 from nanoserve.logprobs import LogprobTensors, PendingLogprobs, pending_logprobs
+from nanoserve.samplers.device_sampler import sample
 from nanoserve.types import ScheduledBatch, Sequence, StepInputs, StepMessage, StepRow
 
 

@@ -1,7 +1,8 @@
 """The verify step's sampling: the target's distributions at every proposal, the acceptance test
 and the token drawn after it, for the whole batch at once on the device.
 
-Introduced in stage 12, given to its learner (who writes the rule itself, rejection.py). A row
+Introduced in stage 12, given to its learner (who writes the rule itself, samplers/rejection.py).
+A row
 b with k_b proposals owns k_b + 1 logits rows (cu_seqlens_q): row i scores the token at
 position L_b + i, where L_b is the sequence's length before its proposals. Randomness is stage
 11's counter hash, keyed by (seed, position) and a stream, so a seeded request gets the same
@@ -24,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from nanoserve.device_sampler import (
+from nanoserve.samplers.device_sampler import (
     SamplingTensors,
     filter_mask,
     gumbel_argmax,
@@ -32,20 +33,20 @@ from nanoserve.device_sampler import (
     sample,
     uniforms,
 )
-from nanoserve.rejection import num_accepted, residual
+from nanoserve.samplers.rejection import num_accepted, residual
 
 ACCEPT_STREAM = 0x5EC0_ACCE  # xor-ed into a seed: the acceptance test's own random stream
 DRAFT_STREAM = 0x5EC0_D4AF  # the draft model's proposals
 
 
 class Rule(NamedTuple):
-    """The two functions of the rejection rule (rejection.py, or a learner's)."""
+    """The two functions of the rejection rule (samplers/rejection.py, or a learner's)."""
 
     num_accepted: Callable = num_accepted
     residual: Callable = residual
 
 
-RULE = Rule()  # rejection.py's
+RULE = Rule()  # samplers/rejection.py's
 
 
 class Verdict(NamedTuple):
