@@ -95,10 +95,13 @@ class Sequence:
 
 
 class ScheduledBatch(NamedTuple):
-    """The sequences of one step and the kind of step."""
+    """The sequences of one step and the kind of step; and the sequences that left the running
+    set since the last step (finished, preempted, aborted), whose device rows the runner lets
+    go before it runs this one (stage 11: the runner alone writes its device batch)."""
 
     seqs: list[Sequence]
     is_prefill: bool
+    freed: tuple[Sequence, ...] = ()
 
 
 class HostMetadata(NamedTuple):

@@ -77,7 +77,8 @@ class PersistentBatch(DeviceBatch):
 
 class OverlapScheduler(OverlapSchedulerBase):
     """The scheduler, split at the step it does not wait for (the rest is given: schedule,
-    preempt, abort, and `self.release(seq)`, which frees seq's row)."""
+    preempt, abort, and `self.release(seq)`, which frees seq's row: the next step's plan
+    tells the runner, which owns the rows)."""
 
     # ---- task 3: commit when a step is launched, resolve when its tokens arrive ----
 

@@ -167,8 +167,15 @@ class Step(NamedTuple):
 def scheduler_with(impl, seqs, num_blocks=16, manager_cls=BlockManager):
     config = EngineConfig(max_model_len=64, max_num_seqs=4, block_size=BLOCK_SIZE)
     manager = manager_cls(num_blocks, BLOCK_SIZE)
-    released: list[Sequence] = []
-    scheduler = impl.OverlapScheduler(config, manager, released.append)
+    scheduler = impl.OverlapScheduler(config, manager)
+    released: list[Sequence] = []  # every sequence whose row the scheduler let go of
+    release = scheduler.release  # (the runner hears of them in the next step's plan)
+
+    def recorded(seq: Sequence) -> None:
+        released.append(seq)
+        release(seq)
+
+    scheduler.release = recorded
     for seq in seqs:
         scheduler.add(seq)
     return scheduler, manager, released
@@ -278,7 +285,8 @@ def test_task_3_a_sequence_preempted_while_its_token_was_in_flight(impl):
     assert b.token_ids == [1, 2, 3, 4, 2] and b.num_pending == 0
     assert released == [b], "a preempted sequence frees its row"
     assert manager.num_free_blocks == free_before - len(a.block_table)
-    assert scheduler.schedule().seqs == [a]
+    plan = scheduler.schedule()
+    assert plan.seqs == [a] and plan.freed == (b,), "the next plan tells the runner b's row"
 
 
 # ---- task 4: the loop, inside the engine ----

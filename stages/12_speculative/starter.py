@@ -94,7 +94,8 @@ def residual(target: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
 
 class SpeculativeScheduler(SpeculativeSchedulerBase):
     """Stage 11's scheduler (given: schedule, preempt, commit, resolve, budget, and
-    `self.release(seq)`, which frees seq's row) plus tentative tokens."""
+    `self.release(seq)`, which frees seq's row: the next plan tells the runner) plus tentative
+    tokens."""
 
     def add_proposal(self, seq: Sequence, token_id: int) -> bool:
         """Append one guess to seq, which the verify step will compute: it grows seq's token_ids,

@@ -214,8 +214,15 @@ def decoding(impl, prompt_lens, num_blocks=16, manager_cls=BlockManager, **param
     are scheduled to decode: len = prompt + 1, the newest token not cached, room for it."""
     config = EngineConfig(max_model_len=64, max_num_seqs=4, block_size=BLOCK_SIZE)
     manager = manager_cls(num_blocks, BLOCK_SIZE)
-    released: list[Sequence] = []
-    scheduler = impl.SpeculativeScheduler(config, manager, released.append)
+    scheduler = impl.SpeculativeScheduler(config, manager)
+    released: list[Sequence] = []  # every sequence whose row the scheduler let go of
+    release = scheduler.release  # (the runner hears of them in the next step's plan)
+
+    def recorded(seq: Sequence) -> None:
+        released.append(seq)
+        release(seq)
+
+    scheduler.release = recorded
     seqs = [
         Sequence(
             list(range(20 * i + 1, 20 * i + n + 1)), SamplingParams(**{"max_tokens": 16, **params})

@@ -1,10 +1,11 @@
 """The given parts of stage 11's loop: what the overlap scheduler and engine share with stage 10's.
 
 Introduced in stage 11, given to its learner (who writes `commit`, `resolve` and `step`, in
-engine/loop/overlap_engine.py). Here: a sequence whose owed token ends it by length is not scheduled
-again; a preempted or aborted sequence gives its row back; `_launch` schedules a batch and hands
-it to the runner (undoing the schedule if the launch fails); the engine has work while a step is
-in flight, and a step that leaves nothing queued resolves the one in flight (`settled`).
+engine/loop/overlap_engine.py). Here: a sequence whose owed token ends it by length is not
+scheduled again; `_launch` schedules a batch and hands it to the runner (undoing the schedule if
+the launch fails); the engine has work while a step is in flight, and a step that leaves nothing
+queued resolves the one in flight (`settled`). Rows are the runner's: a sequence that leaves the
+running set is `release`d by the scheduler, and the next step's plan tells the runner.
 """
 
 from __future__ import annotations
@@ -12,12 +13,10 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from nanoserve.config import EngineConfig
 from nanoserve.engine.loop.llm_engine import LLMEngine
 from nanoserve.engine.loop.scheduler import Scheduler
-from nanoserve.engine.memory.kv_manager import KVCacheManager
 from nanoserve.engine.runner.overlap_runner import Launched, OverlapRunner
-from nanoserve.types import ScheduledBatch, Sequence, SequenceStatus
+from nanoserve.types import ScheduledBatch, Sequence
 
 
 def owes_its_last_token(seq: Sequence, max_model_len: int) -> bool:
@@ -29,11 +28,7 @@ def owes_its_last_token(seq: Sequence, max_model_len: int) -> bool:
 
 
 class OverlapSchedulerBase(Scheduler):
-    """Stage 10's scheduler, told how to free a row, and not decoding what owes its last token."""
-
-    def __init__(self, config: EngineConfig, manager: KVCacheManager, release):
-        super().__init__(config, manager)
-        self.release = release  # called with each sequence that leaves the running set
+    """Stage 10's scheduler, not decoding what owes its last token."""
 
     def _schedule_decode(self) -> list[Sequence]:
         """Decode the running sequences, except those whose owed token already ends them."""
@@ -50,11 +45,6 @@ class OverlapSchedulerBase(Scheduler):
         overlap_engine.py); returns the sequences that finished."""
         raise NotImplementedError
 
-    def preempt(self, seq: Sequence) -> None:
-        """As ever, and the sequence's row is freed (a re-admission takes a fresh one)."""
-        super().preempt(seq)
-        self.release(seq)
-
 
 class OverlapEngineBase(LLMEngine):
     """The engine with a step in flight: `Scheduler` names the scheduler class it runs. A
@@ -66,7 +56,7 @@ class OverlapEngineBase(LLMEngine):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.scheduler = self.Scheduler(self.config, self.manager, self.runner.state.release)
+        self.scheduler = self.Scheduler(self.config, self.manager)
         self.in_flight: Launched | None = None  # the step launched last, not yet resolved
 
     def __init_subclass__(cls, **kwargs):
@@ -88,13 +78,17 @@ class OverlapEngineBase(LLMEngine):
         try:
             launched = self.runner.launch(batch)
         except BaseException:
-            self.scheduler.undo(batch)
-            for seq in batch.seqs:
-                if seq.status is SequenceStatus.WAITING:
-                    self.runner.state.release(seq)
+            self.scheduler.undo(batch)  # a prefill's sequences wait again, their rows released
             raise
         self.count_step(batch, launched.inputs, num_preempted_before)
         return launched
+
+    def settle(self) -> list[Sequence]:
+        """Nothing waits or runs: resolve the step in flight (all of it discarded) and hand the
+        runner the rows of the requests that ended; returns what the step finished (nothing)."""
+        finished = self.drain()
+        self.runner.forget(self.scheduler.take_freed())
+        return finished
 
     def drain(self) -> list[Sequence]:
         """Resolve the step in flight, if any (wait for its tokens); returns the sequences it
@@ -107,14 +101,9 @@ class OverlapEngineBase(LLMEngine):
     def abort(self, seqs) -> None:
         """As ever; a token the device still owes an aborted sequence is never appended. When
         nothing is left queued, the step in flight (all of it discarded) is resolved."""
-        for seq in seqs:
-            was_finished = seq.is_finished
-            self.scheduler.abort(seq)
-            if not was_finished:
-                seq.num_pending = 0
-                self.runner.state.release(seq)
+        super().abort(seqs)
         if self.scheduler.is_finished():
-            self.drain()
+            self.settle()
 
     def has_unfinished(self) -> bool:
         """True while some request waits or runs, or a launched step is not yet resolved."""
@@ -130,7 +119,7 @@ def settled(step: Callable[[OverlapEngineBase], list[Sequence]]):
     def settled_step(engine: OverlapEngineBase) -> list[Sequence]:
         finished = step(engine)
         if engine.scheduler.is_finished():
-            finished = finished + engine.drain()  # nothing: every request of it has finished
+            finished = finished + engine.settle()  # nothing: every request of it has finished
         return finished
 
     return settled_step

@@ -26,6 +26,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self.freed: list[Sequence] = []  # left the running set since the last plan (`release`)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request (already validated by the engine)."""
@@ -39,8 +40,26 @@ class Scheduler:
         """Prefill newly admitted sequences if any fit, else decode the running ones."""
         prefill = self._schedule_prefill()
         if prefill:
-            return ScheduledBatch(prefill, is_prefill=True)
-        return ScheduledBatch(self._schedule_decode(), is_prefill=False)
+            return self._plan(prefill, is_prefill=True)
+        return self._plan(self._schedule_decode(), is_prefill=False)
+
+    def _plan(self, seqs: list[Sequence], is_prefill: bool) -> ScheduledBatch:
+        """The step; a step that runs carries the sequences released since the last one (an
+        empty one runs nothing, so they wait for the next)."""
+        if not seqs:
+            return ScheduledBatch(seqs, is_prefill)
+        return ScheduledBatch(seqs, is_prefill, self.take_freed())
+
+    def take_freed(self) -> tuple[Sequence, ...]:
+        """The sequences released since they were last taken (for a plan, or for the runner
+        once the engine is idle)."""
+        freed, self.freed = tuple(self.freed), []
+        return freed
+
+    def release(self, seq: Sequence) -> None:
+        """seq left the running set (finished, preempted or aborted): the next step's plan tells
+        the runner, which lets go of anything it holds for seq (stage 11: its device row)."""
+        self.freed.append(seq)
 
     def _schedule_prefill(self) -> list[Sequence]:
         """Chunks of prefills in progress first, then newly admitted sequences, within budget."""
@@ -89,6 +108,7 @@ class Scheduler:
         """Drop seq's cache and send it to the front of the queue; it is recomputed later."""
         seq.status = SequenceStatus.WAITING
         self.free(seq)
+        self.release(seq)  # a re-admission takes a fresh row
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -111,11 +131,13 @@ class Scheduler:
             if seq in self.running:
                 self.running.remove(seq)
                 self.free(seq)
+                self.release(seq)
                 seq.status = SequenceStatus.WAITING
                 self.waiting.appendleft(seq)
 
     def abort(self, seq: Sequence) -> None:
-        """Drop a waiting or running sequence for good and release its memory; finished: no-op."""
+        """Drop a waiting or running sequence for good and release its memory; finished: no-op.
+        A token the device still owes it (stage 11) is never appended."""
         if seq.is_finished:
             return
         if seq in self.running:
@@ -123,6 +145,8 @@ class Scheduler:
             self.free(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)  # a waiting sequence holds no memory
+        self.release(seq)  # a preempted one may still hold a row until the next step
+        seq.num_pending = 0
         seq.finish("abort")
 
     def postprocess(self, batch: ScheduledBatch, token_ids: list, eos_ids) -> list[Sequence]:
@@ -145,6 +169,7 @@ class Scheduler:
                 seq.finish(reason)
                 self.manager.deallocate(seq)
                 self.running.remove(seq)
+                self.release(seq)
                 finished.append(seq)
         return finished
 

@@ -66,10 +66,17 @@ class OverlapRunner(ModelRunner):
         super().__init__(*args, **kwargs)
         self.state = state
 
+    def forget(self, seqs) -> None:
+        """Let go of the rows of sequences that left the running set (a plan's `freed`); a
+        sequence holding no row is skipped, so a plan may be applied twice."""
+        for seq in seqs:
+            self.state.release(seq)
+
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> Launched:
         """Queue the batch's forward and sampling on the device; wait for nothing."""
         seqs = batch.seqs
+        self.forget(batch.freed)  # before any row is handed out: theirs may be reused
         rows = self.state.send(seqs)
         host_rows = [self.state.row_of(seq) for seq in seqs]
         replay = False

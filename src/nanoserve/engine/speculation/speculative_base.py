@@ -137,6 +137,7 @@ class SpeculativeEngineBase(OverlapEngine):
     def propose(self, batch: ScheduledBatch) -> torch.Tensor | None:
         """Let the proposer guess for every sequence of a decode batch (each guess appended by
         the scheduler's add_proposal); the draft's distributions, or None for n-gram guesses."""
+        self.runner.forget(batch.freed)  # a draft model takes rows for the batch's sequences
         k, step = self.guesses_per_sequence(len(batch.seqs)), self.num_steps + 1
         budgets = [
             self.scheduler.budget(seq, k) if self.backoff.is_open(seq, step) else 0

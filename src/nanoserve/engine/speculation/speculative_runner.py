@@ -63,6 +63,7 @@ class SpeculativeRunner(OverlapRunner):
     ) -> Verified:
         """Run the target over each sequence's newest token and proposals; judge them."""
         seqs = batch.seqs
+        self.forget(batch.freed)
         rows = self.state.send(seqs)  # the table entries grown for the proposals included
         message = self.verify_message(seqs)
         inputs = self.packer.prepare_rows(message)
