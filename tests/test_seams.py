@@ -22,7 +22,7 @@ from nanoserve.kernels.backend import (
     is_importable,
     select_attention_backend,
 )
-from nanoserve.learner_api import has_learner_api, learner_api
+from nanoserve.learner_api import has_learner_api, learner_api, reference
 from nanoserve.recipes.assemble import recipe_for
 from nanoserve.recipes.recipe import Recipe
 from nanoserve.stages import STAGES, implemented_stages
@@ -73,6 +73,31 @@ def test_a_stages_learner_api_lives_in_its_reference_modules(stage):
     }
     for name, obj in learner_api(stage).items():
         assert obj.__module__ in modules, (stage, name, obj.__module__)
+
+
+@pytest.mark.parametrize("stage", [s.number for s in implemented_stages()])
+def test_every_reference_a_recipe_declares_is_defined_in_the_module_it_names(stage):
+    for name, where in recipe_for(stage).api.items():
+        module, _, attr = where.partition(":")
+        assert module and attr, f"stage {stage}'s {name}: {where!r} is not 'module:attr'"
+        obj = reference(where)  # ImportError or AttributeError: the reference moved or was renamed
+        assert obj.__module__ == module, f"stage {stage}'s {name}: {where} is {obj.__module__}'s"
+
+
+def test_every_stage_declares_its_own_learner_api_not_the_one_its_recipe_was_derived_from():
+    apis = {s.number: dict(recipe_for(s.number).api) for s in implemented_stages()}
+    for stage, api in apis.items():
+        shared = [other for other, theirs in apis.items() if other < stage and theirs == api]
+        assert not shared, f"stage {stage}'s recipe keeps stage {shared[0]}'s api: name its own"
+
+
+def test_every_part_components_may_replace_is_an_api_name_of_its_stage_or_an_earlier_one():
+    declared: set[str] = set()
+    for stage in implemented_stages():
+        recipe = recipe_for(stage.number)
+        declared |= set(recipe.api)
+        stray = sorted(set(recipe.parts) - declared)
+        assert not stray, f"stage {stage.number}'s parts {stray} are no learner's API name"
 
 
 # A starter that imports given code from the module that holds the stage's reference sends the

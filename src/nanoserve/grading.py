@@ -1,9 +1,10 @@
 """Which implementation a stage's graded tests run against: the reference, the starter, or yours.
 
 Introduced in stage 00. A stage's API is the set of public names its `starter.py` defines; the
-stage's table in `learner_api.py` maps the same names to the reference objects, so any of them
-can stand in for the others. It loads implementations and nothing more (refusing one whose
-every API name is the reference's own object): running the tests is `nanoserve.check`'s job.
+stage's recipe maps the same names to the reference objects (`learner_api.py` imports them), so
+any of them can stand in for the others. It loads implementations and nothing more (refusing
+one whose every API name is the reference's own object): running the tests is
+`nanoserve.check`'s job.
 """
 
 from __future__ import annotations

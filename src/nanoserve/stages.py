@@ -2,8 +2,9 @@
 
 Introduced in stage 00. The README table, the docs, `nanoserve stages`, `nanoserve check`, the
 equivalence chain and the harness self-tests all read this list; nothing else hard-codes a stage
-number or path. What a stage's engine is made of is its recipe (recipes/<slug>.py); what its
-learner writes is `learner_api.py`'s; what a row holds is `stage_record.py`'s `Stage`.
+number or path. What a stage's engine is made of is its recipe (recipes/<slug>.py), and so is
+what its learner writes (`api`, imported by `learner_api.py`); what a row holds is
+`stage_record.py`'s `Stage`.
 """
 
 from __future__ import annotations

@@ -3,6 +3,14 @@ where it is plugged in (as `BlockAllocator`)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from nanoserve.recipes import contiguous_cache
 
-RECIPE = contiguous_cache.RECIPE
+RECIPE = dataclasses.replace(
+    contiguous_cache.RECIPE,
+    api={
+        "OutOfBlocks": "nanoserve.engine.memory.allocator:OutOfBlocks",
+        "BlockAllocator": "nanoserve.engine.memory.allocator:BlockAllocator",
+    },
+)

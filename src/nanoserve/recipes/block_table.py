@@ -24,4 +24,11 @@ def build(config: EngineConfig, sizing: Sizing, parts: dict, backend: str) -> En
     return EngineParts(manager, cache, packer, SlotAttention(cache))
 
 
-RECIPE = Recipe(build, parts=("BlockAllocator", "BlockTable"))
+RECIPE = Recipe(
+    build,
+    api={
+        "BlockPosition": "nanoserve.engine.memory.block_table:BlockPosition",
+        "BlockTable": "nanoserve.engine.memory.block_table:BlockTable",
+    },
+    parts=("BlockAllocator", "BlockTable"),  # stage 02's allocator is plugged in here
+)

@@ -25,4 +25,12 @@ def build(config: EngineConfig, sizing: Sizing, parts: dict, backend: str) -> En
     return EngineParts(manager, cache, packer, attention)
 
 
-RECIPE = Recipe(build, parts=("SlabManager", "store_slab", "load_slab"))
+RECIPE = Recipe(
+    build,
+    api={
+        "SlabManager": "nanoserve.engine.memory.slab_manager:SlabManager",
+        "store_slab": "nanoserve.kernels.slab_attention:store_slab",
+        "load_slab": "nanoserve.kernels.slab_attention:load_slab",
+    },
+    parts=("SlabManager", "store_slab", "load_slab"),
+)

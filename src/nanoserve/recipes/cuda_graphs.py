@@ -10,4 +10,13 @@ import dataclasses
 
 from nanoserve.recipes import prefix_cache
 
-RECIPE = dataclasses.replace(prefix_cache.RECIPE, captures_decode=True)
+RECIPE = dataclasses.replace(
+    prefix_cache.RECIPE,
+    api={
+        "graph_buckets": "nanoserve.engine.runner.cuda_graphs:graph_buckets",
+        "bucket_for": "nanoserve.engine.runner.cuda_graphs:bucket_for",
+        "pad_decode": "nanoserve.engine.runner.input_packer:pad_decode",
+        "fill_static": "nanoserve.engine.runner.cuda_graphs:fill_static",
+    },
+    captures_decode=True,
+)

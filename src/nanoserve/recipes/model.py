@@ -20,4 +20,17 @@ def build(config: EngineConfig, sizing: Sizing, parts: dict, backend: str) -> En
     return EngineParts(NoCacheManager(), cache, packer, NoCacheAttention())
 
 
-RECIPE = Recipe(build)
+RECIPE = Recipe(
+    build,
+    api={
+        "rms_norm": "nanoserve.layers.norm:rms_norm",
+        "rotate_half": "nanoserve.layers.rotary:rotate_half",
+        "rope_inv_freq": "nanoserve.layers.rotary:rope_inv_freq",
+        "rope_cos_sin": "nanoserve.layers.rotary:rope_cos_sin",
+        "apply_rotary": "nanoserve.layers.rotary:apply_rotary",
+        "attend": "nanoserve.kernels.attention:attend",
+        "swiglu": "nanoserve.models.decoder:swiglu",
+        "filter_probs": "nanoserve.sampling:filter_probs",
+        "sample": "nanoserve.sampling:sample_one",
+    },
+)

@@ -32,6 +32,11 @@ def build(config: EngineConfig, sizing: Sizing, parts: dict, backend: str) -> En
 RECIPE = dataclasses.replace(
     tensor_parallel.RECIPE,
     build=build,
+    api={
+        "PersistentBatch": "nanoserve.engine.runner.persistent_batch:PersistentBatch",
+        "OverlapScheduler": "nanoserve.engine.loop.overlap_engine:OverlapScheduler",
+        "OverlapEngine": "nanoserve.engine.loop.overlap_engine:OverlapEngine",
+    },
     # stage 07's manager stays replaceable (enable_prefix_caching=False puts stage 04's there)
     parts=("PersistentBatch", "OverlapEngine", "PrefixBlockManager"),
 )

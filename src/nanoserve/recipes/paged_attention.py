@@ -49,6 +49,11 @@ def build(config: EngineConfig, sizing: Sizing, parts: dict, backend: str) -> En
 
 RECIPE = Recipe(
     build,
+    api={
+        "paged_attention_prefill": "nanoserve.kernels.paged_prefill:paged_attention_prefill",
+        "paged_attention_decode": "nanoserve.kernels.paged_decode:paged_attention_decode",
+    },
+    # stage 05's store kernel stays replaceable beside the two read kernels
     parts=("store_kvcache", "paged_attention_prefill", "paged_attention_decode"),
     backends=("triton", "torch"),
     parts_run_on="triton",

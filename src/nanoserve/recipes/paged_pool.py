@@ -37,5 +37,12 @@ def build(config: EngineConfig, sizing: Sizing, parts: dict, backend: str) -> En
 
 RECIPE = Recipe(
     build,
+    api={
+        "BlockManager": "nanoserve.engine.memory.block_manager:BlockManager",
+        "store_kvcache": "nanoserve.kernels.torch_paged:store_kvcache",
+        "gather_kv": "nanoserve.kernels.torch_paged:gather_kv",
+        "prepare_prefill": "nanoserve.engine.runner.input_packer:prepare_prefill",
+        "prepare_decode": "nanoserve.engine.runner.input_packer:prepare_decode",
+    },
     parts=("BlockManager", "store_kvcache", "gather_kv", "prepare_prefill", "prepare_decode"),
 )

@@ -21,4 +21,12 @@ def build(config: EngineConfig, sizing: Sizing, parts: dict, backend: str) -> En
 
 
 # flash_attn is offered but never the default: "auto" takes triton, the first importable
-RECIPE = Recipe(build, parts=("PrefixBlockManager",), backends=("triton", "flash_attn", "torch"))
+RECIPE = Recipe(
+    build,
+    api={
+        "chain_hash": "nanoserve.engine.memory.prefix_block_manager:chain_hash",
+        "PrefixBlockManager": "nanoserve.engine.memory.prefix_block_manager:PrefixBlockManager",
+    },
+    parts=("PrefixBlockManager",),
+    backends=("triton", "flash_attn", "torch"),
+)

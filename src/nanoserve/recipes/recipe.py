@@ -1,15 +1,16 @@
 """The shape of a stage recipe, and what its build function is given and returns.
 
 Introduced with the recipes (between stages 10 and 11). A `Recipe` says how to build a stage's
-parts (`build`), which of them a learner may replace (`parts`, by the API names of the stage's
-starter) and which attention backends it offers; `Sizing` is what `build` knows about the model
-and the memory; `EngineParts` is what it returns. Nothing here builds an engine (assemble.py).
+parts (`build`), what its learner writes (`api`: the names of the stage's starter, each with where
+its reference lives), which of them a learner may replace (`parts`) and which attention backends
+it offers; `Sizing` is what `build` knows about the model and the memory; `EngineParts` is what it
+returns. Nothing here builds an engine (assemble.py) or imports an API (learner_api.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -76,10 +77,17 @@ Build = Callable[[EngineConfig, Sizing, dict, str], EngineParts]
 
 @dataclass(frozen=True)
 class Recipe:
-    """How one stage's engine is made, and what of it a learner may replace."""
+    """How one stage's engine is made, what its learner writes, and what of it they may swap in."""
 
     build: Build
-    parts: tuple[str, ...] = ()  # the API names components= may replace
+    # what the stage's starter.py defines, in its order: name -> "module:attr" of the reference.
+    # Strings, imported only by learner_api.py: a reference may sit above the recipes (stage 10's
+    # serving loop) or need Triton (stages 05-06). A stage derived by dataclasses.replace names
+    # its own.
+    api: Mapping[str, str] = field(default_factory=dict)
+    # the API names components= may replace: this stage's or an earlier stage's (BlockAllocator,
+    # stage 02's, is plugged in at stage 03)
+    parts: tuple[str, ...] = ()
     backends: tuple[str, ...] = ("torch",)  # the attention backends offered, best first
     parts_run_on: str | None = None  # the one backend that runs the parts (None: every one)
     captures_decode: bool = False  # stage 08: decode steps replay CUDA graphs (on a GPU)

@@ -3,6 +3,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from nanoserve.recipes import tensor_parallel
 
-RECIPE = tensor_parallel.RECIPE
+# the loop is a string here: serving sits above the recipes, and only learner_api.py imports it
+RECIPE = dataclasses.replace(
+    tensor_parallel.RECIPE, api={"AsyncEngine": "nanoserve.serving.async_engine:AsyncEngine"}
+)

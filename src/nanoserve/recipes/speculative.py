@@ -67,6 +67,15 @@ def draft_model(config: EngineConfig, sizing: Sizing, pool, backend: str) -> Dra
 RECIPE = dataclasses.replace(
     overlap.RECIPE,
     build=build,
+    api={
+        "propose_ngram": "nanoserve.engine.speculation.ngram_proposer:propose_ngram",
+        "num_accepted": "nanoserve.samplers.rejection:num_accepted",
+        "residual": "nanoserve.samplers.rejection:residual",
+        "SpeculativeScheduler": (
+            "nanoserve.engine.speculation.speculative_engine:SpeculativeScheduler"
+        ),
+        "SpeculativeEngine": "nanoserve.engine.speculation.speculative_engine:SpeculativeEngine",
+    },
     # stage 07's manager stays replaceable (enable_prefix_caching=False puts stage 04's there)
     parts=("SpeculativeEngine", "propose_ngram", "num_accepted", "residual", "PrefixBlockManager"),
 )

@@ -10,4 +10,17 @@ import dataclasses
 
 from nanoserve.recipes import cuda_graphs
 
-RECIPE = dataclasses.replace(cuda_graphs.RECIPE, shards_model=True)
+RECIPE = dataclasses.replace(
+    cuda_graphs.RECIPE,
+    api={
+        "shard_range": "nanoserve.layers.shards:shard_range",
+        "padded_shard_range": "nanoserve.layers.shards:padded_shard_range",
+        "ColumnParallelLinear": "nanoserve.layers.linear:ColumnParallelLinear",
+        "MergedColumnParallelLinear": "nanoserve.layers.linear:MergedColumnParallelLinear",
+        "QKVParallelLinear": "nanoserve.layers.linear:QKVParallelLinear",
+        "RowParallelLinear": "nanoserve.layers.linear:RowParallelLinear",
+        "VocabParallelEmbedding": "nanoserve.layers.embedding:VocabParallelEmbedding",
+        "ParallelLMHead": "nanoserve.layers.embedding:ParallelLMHead",
+    },
+    shards_model=True,
+)

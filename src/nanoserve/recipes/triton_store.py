@@ -30,5 +30,9 @@ def build(config: EngineConfig, sizing: Sizing, parts: dict, backend: str) -> En
 
 
 RECIPE = Recipe(
-    build, parts=("store_kvcache",), backends=("triton", "torch"), parts_run_on="triton"
+    build,
+    api={"store_kvcache": "nanoserve.kernels.store:store_kvcache"},
+    parts=("store_kvcache",),
+    backends=("triton", "torch"),
+    parts_run_on="triton",
 )
