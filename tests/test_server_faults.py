@@ -28,6 +28,7 @@ from nanoserve.testing import (
     most_completion_tokens,
     save_tiny_chat_model,
     signalling,
+    with_default_sigint,
 )
 
 httpx = pytest.importorskip("httpx")
@@ -446,7 +447,12 @@ def test_nanoserve_serve_stops_on_a_signal_in_under_3_s_ending_every_stream(fold
     command += ["--device", "cpu", "--dtype", "float64", "--max-model-len", "96"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     server = subprocess.Popen(
-        command, env=env, start_new_session=True, stderr=subprocess.PIPE, text=True
+        command,
+        env=env,
+        start_new_session=True,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=with_default_sigint,  # a Ctrl-C reaches it however the suite was started
     )
     base_url = f"http://127.0.0.1:{port}"
     try:

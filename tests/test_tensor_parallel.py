@@ -23,7 +23,7 @@ import torch.distributed as dist
 from nanoserve import LLM
 from nanoserve.parallel.group import WorkerDied
 from nanoserve.sampling import SamplingParams
-from nanoserve.testing import engine_requests
+from nanoserve.testing import engine_requests, with_default_sigint
 
 CPU = dict(device="cpu", dtype="float64", kv_cache_bytes=2**24, max_model_len=512)
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -169,7 +169,11 @@ def run_script(body: str, tmp_path: Path, *args: str, interrupt_after: str | Non
     script.write_text(textwrap.dedent(body))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, str(script), *args], stdout=subprocess.PIPE, text=True, env=env
+        [sys.executable, str(script), *args],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        preexec_fn=with_default_sigint,  # a Ctrl-C reaches it however the suite was started
     )
     lines = []
     for line in proc.stdout:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import random
+import signal
 import threading
 from pathlib import Path
 
@@ -237,3 +238,12 @@ def signalling(call, event: threading.Event, times: int = 1):
 def most_completion_tokens(engine) -> int:
     """The most tokens any running sequence of `engine` has generated (0 when none runs)."""
     return max((seq.num_completion_tokens for seq in engine.scheduler.running), default=0)
+
+
+def with_default_sigint() -> None:
+    """A child's `preexec_fn`: SIGINT back to its default before the child's program starts.
+
+    An ignored signal stays ignored across exec, and Python then keeps it ignored: a test suite
+    started where SIGINT is ignored (a shell's background job, some CI runners) would spawn
+    children that a Ctrl-C never reaches. A test of what Ctrl-C does sets it back first."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
