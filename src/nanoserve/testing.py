@@ -247,3 +247,17 @@ def with_default_sigint() -> None:
     started where SIGINT is ignored (a shell's background job, some CI runners) would spawn
     children that a Ctrl-C never reaches. A test of what Ctrl-C does sets it back first."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def recorded_releases(scheduler) -> list:
+    """Every sequence the scheduler `release`s from now on, in order (it still releases them:
+    the next plan tells the runner)."""
+    released: list = []
+    release = scheduler.release
+
+    def recorded(seq) -> None:
+        released.append(seq)
+        release(seq)
+
+    scheduler.release = recorded
+    return released

@@ -21,6 +21,7 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.config import EngineConfig
 from nanoserve.engine.memory.block_manager import BlockManager
 from nanoserve.engine.memory.prefix_block_manager import PrefixBlockManager
+from nanoserve.testing import recorded_releases
 from nanoserve.types import ScheduledBatch, Sequence, SequenceStatus
 
 API = ("PersistentBatch", "OverlapScheduler", "OverlapEngine")
@@ -168,14 +169,7 @@ def scheduler_with(impl, seqs, num_blocks=16, manager_cls=BlockManager):
     config = EngineConfig(max_model_len=64, max_num_seqs=4, block_size=BLOCK_SIZE)
     manager = manager_cls(num_blocks, BLOCK_SIZE)
     scheduler = impl.OverlapScheduler(config, manager)
-    released: list[Sequence] = []  # every sequence whose row the scheduler let go of
-    release = scheduler.release  # (the runner hears of them in the next step's plan)
-
-    def recorded(seq: Sequence) -> None:
-        released.append(seq)
-        release(seq)
-
-    scheduler.release = recorded
+    released = recorded_releases(scheduler)  # whose rows it let go of (told in the next plan)
     for seq in seqs:
         scheduler.add(seq)
     return scheduler, manager, released

@@ -21,6 +21,7 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.config import EngineConfig
 from nanoserve.engine.memory.block_manager import BlockManager
 from nanoserve.engine.memory.prefix_block_manager import PrefixBlockManager
+from nanoserve.testing import recorded_releases
 from nanoserve.types import ScheduledBatch, Sequence, SequenceStatus
 
 API = ("propose_ngram", "num_accepted", "residual", "SpeculativeScheduler", "SpeculativeEngine")
@@ -215,14 +216,7 @@ def decoding(impl, prompt_lens, num_blocks=16, manager_cls=BlockManager, **param
     config = EngineConfig(max_model_len=64, max_num_seqs=4, block_size=BLOCK_SIZE)
     manager = manager_cls(num_blocks, BLOCK_SIZE)
     scheduler = impl.SpeculativeScheduler(config, manager)
-    released: list[Sequence] = []  # every sequence whose row the scheduler let go of
-    release = scheduler.release  # (the runner hears of them in the next step's plan)
-
-    def recorded(seq: Sequence) -> None:
-        released.append(seq)
-        release(seq)
-
-    scheduler.release = recorded
+    released = recorded_releases(scheduler)  # whose rows it let go of (told in the next plan)
     seqs = [
         Sequence(
             list(range(20 * i + 1, 20 * i + n + 1)), SamplingParams(**{"max_tokens": 16, **params})
