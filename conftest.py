@@ -43,6 +43,8 @@ SLOW_TESTS = (
     "tests/test_openai_api.py",  # real servers, the openai client
     "tests/test_server_faults.py",  # servers started, signalled, starved
     "tests/test_progress.py",  # `nanoserve check` run in subprocesses, on and off a terminal
+    "tests/test_admission.py",  # odd requests beside neighbours at four stages, hypothesis
+    "tests/test_impl_refusal.py",  # every stage's learner file loaded, `check` in subprocesses
     "stages/06_paged_attention/test_06_paged_attention.py::test_task_5_",  # engine, interpreted
     "stages/09_tensor_parallel/",  # two- and four-rank process groups
     "tests/test_docs.py::test_every_python_block_of_the_page_runs[stages/09_tensor_parallel/",
