@@ -50,7 +50,6 @@ class Sequence:
         self.block_table: list[int] = []  # stage 03+: physical block ids, in logical order
         self.num_preemptions = 0
         self.num_pending = 0  # stage 11: tokens sampled on the device, not yet seen by the host
-        self.num_draft_tokens = 0  # stage 12: the last token_ids are proposals, not yet verified
         # params.logprobs set: completion index -> that token's logprobs (the runner fills it;
         # a token discarded after the end may leave an entry past the completion: ignore it)
         self.logprobs: dict[int, TokenLogprobs] = {}
@@ -90,18 +89,46 @@ class Sequence:
 
     def finish(self, reason: str) -> None:
         """End the request: FINISHED, for `reason` ("stop", "length" or "abort"). The one place
-        that writes status FINISHED and finish_reason (the scheduler calls it)."""
+        that writes status FINISHED and finish_reason (the scheduler calls it); a token the
+        device still owes it is never appended."""
         self.status, self.finish_reason = SequenceStatus.FINISHED, reason
+        self.num_pending = 0
 
 
 class ScheduledBatch(NamedTuple):
-    """The sequences of one step and the kind of step; and the sequences that left the running
-    set since the last step (finished, preempted, aborted), whose device rows the runner lets
-    go before it runs this one (stage 11: the runner alone writes its device batch)."""
+    """The plan of one step (what `Scheduler.schedule` returns and `runner.execute` runs): the
+    sequences of the step and its kind; the sequences that left the running set since the last
+    plan (finished, preempted, aborted), whose device rows the runner lets go before it runs this
+    one (stage 11: the runner alone writes its device batch); and (stage 12) how many guesses
+    each sequence may take, room for them already reserved in its blocks (() when none may)."""
 
     seqs: list[Sequence]
     is_prefill: bool
     freed: tuple[Sequence, ...] = ()
+    guesses: tuple[int, ...] = ()
+
+
+class Landed(NamedTuple):
+    """A step whose tokens reached the host: its plan, and per sequence of it the tokens it
+    gains ([] for a prefill chunk that samples nothing; [t] after a plain step; the kept guesses
+    then the drawn token after a stage 12 verify step)."""
+
+    plan: ScheduledBatch
+    tokens: list[list[int]]
+
+
+class StepOutput(NamedTuple):
+    """What `runner.execute(plan)` hands `Scheduler.update(plan, out)`.
+
+    A synchronous runner returns the plan's own tokens. Stage 11's runner keeps one step in
+    flight: the plan's tokens are still on the device (`tokens` None), and the step launched
+    before it has landed (`earlier`)."""
+
+    inputs: StepInputs | None  # what the plan ran (for --trace); None: an empty plan
+    sampled: tuple[int, ...]  # the indices of plan.seqs that draw a token in this step
+    tokens: list[list[int]] | None  # per plan.seqs, as in Landed; None: still on the device
+    earlier: Landed | None = None  # stage 11: the step before, whose tokens arrived meanwhile
+    guesses: list[list[int]] | None = None  # stage 12: the guesses each sequence took
 
 
 class HostMetadata(NamedTuple):

@@ -8,7 +8,7 @@ worker is stopped, the group is torn down, and the error says which worker and w
 
     rank 0 (your process)                         rank 1..K-1 (worker processes)
     scheduler, block manager, sampler
-    runner.run(batch) ── StepMessage ─ pipe ──>   runner.execute(message)
+    runner.run(batch) ── StepMessage ─ pipe ──>   runner.execute_rows(message)
        forward (shard 0) <── all_reduce, gather ──> forward (shard r)
 """
 

@@ -43,7 +43,7 @@ def run_worker(
     conn.send(Ready(rank))
     try:
         while not isinstance(message := conn.recv(), Stop):
-            runner.execute(message)
+            runner.execute_rows(message)
     except EOFError:  # rank 0 closed its end: it is gone, or gave up on us; no clean leave
         return
     process_group.leave(broken=False)

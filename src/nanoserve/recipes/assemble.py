@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Callable
 from typing import NamedTuple
 
 from nanoserve.cache.budget import kv_budget_bytes
 from nanoserve.config import EngineConfig
 from nanoserve.engine.loop.llm_engine import LLMEngine
+from nanoserve.engine.loop.scheduler import Scheduler
 from nanoserve.engine.memory.kv_manager import KVCacheManager
 from nanoserve.engine.runner.cuda_graphs import DecodeGraphs, table_width
 from nanoserve.engine.runner.model_runner import ModelRunner, StepFanout, warmup_peak_bytes
@@ -52,7 +52,7 @@ class BuiltRunner(NamedTuple):
     runner: ModelRunner
     manager: KVCacheManager
     attention: BackendChoice
-    engine: Callable[..., LLMEngine] = LLMEngine  # the loop the recipe's engine runs
+    scheduler: type[Scheduler] = Scheduler  # stages 11-12: the learner's bookkeeping, or ours
 
 
 def build_engine(
@@ -69,8 +69,9 @@ def build_engine(
     The model is loaded from `spec` (or `model` is reused, built from the same spec); `workers`
     are the other tensor-parallel ranks, already started (stage 09, rank 0 of several).
     """
-    runner, manager, choice, engine = build_runner(stage, config, spec, components, model, workers)
-    return engine(config, runner, manager, eos_ids, choice)
+    runner, manager, choice, scheduler = build_runner(stage, config, spec, components, model,
+                                                      workers)  # fmt: skip
+    return LLMEngine(config, runner, manager, eos_ids, choice, scheduler)
 
 
 def build_runner(
@@ -103,12 +104,14 @@ def build_runner(
     if recipe.captures_decode:
         graphs = capture_decode_graphs(model, built, config, choice.name)
     parts_of_runner = (model, built.cache, built.attention, built.packer, graphs, workers)
+    runner: ModelRunner
     if built.state is not None:  # stage 11: a runner that launches steps without waiting
-        runner_cls = built.runner or OverlapRunner  # stage 12: one that verifies, too
-        runner: ModelRunner = runner_cls(*parts_of_runner, state=built.state)
+        runner = OverlapRunner(
+            *parts_of_runner, state=built.state, proposer=built.proposer, rule=built.rule
+        )  # fmt: skip (stage 12: it guesses, too)
     else:
         runner = ModelRunner(*parts_of_runner)
-    return BuiltRunner(runner, built.manager, choice, built.engine)
+    return BuiltRunner(runner, built.manager, choice, built.scheduler)
 
 
 def budget_bytes(model: CausalLM, config: EngineConfig, spec: ModelSpec) -> int:

@@ -18,13 +18,14 @@ import torch
 from nanoserve.cache.budget import kv_bytes_per_token, units_in_budget
 from nanoserve.cache.kv_cache import KVCache
 from nanoserve.config import EngineConfig
-from nanoserve.engine.loop.llm_engine import LLMEngine
+from nanoserve.engine.loop.scheduler import Scheduler
 from nanoserve.engine.memory.kv_manager import KVCacheManager
 from nanoserve.engine.runner.input_packer import InputPacker
-from nanoserve.engine.runner.overlap_runner import OverlapRunner
+from nanoserve.engine.runner.overlap_runner import OverlapRunner, Proposer
 from nanoserve.engine.runner.persistent_batch import PersistentBatch
 from nanoserve.kernels.backend import AttentionBackend
 from nanoserve.models.config import ModelConfig
+from nanoserve.samplers.speculative_sampler import RULE, Rule
 
 
 class Sizing(NamedTuple):
@@ -65,8 +66,9 @@ class EngineParts(NamedTuple):
     packer: InputPacker
     attention: AttentionBackend
     state: PersistentBatch | None = None  # stage 11: the running requests' rows on the device
-    engine: Callable[..., LLMEngine] = LLMEngine  # the loop that steps it (stage 11: overlap)
-    runner: type[OverlapRunner] | None = None  # None: the overlap runner with state, else plain
+    scheduler: type[Scheduler] = Scheduler  # stages 11-12: the learner's bookkeeping, or ours
+    proposer: Callable[[OverlapRunner], Proposer] | None = None  # stage 12: built by the runner
+    rule: Rule = RULE  # stage 12: the rejection rule's two functions
 
 
 # build(config, sizing, parts, backend): parts holds the learner's replacements only (by the

@@ -1,22 +1,21 @@
 """Stage 12's engine: stage 11's, with a proposer, a verify step and the rollback.
 
 Its learner writes the n-gram lookup (`propose_ngram`), the rejection rule (`num_accepted`,
-`residual`) and the loop (`SpeculativeEngine`: `add_proposal`, `accept`, `step`); given to them:
-the draft proposer, the verify step and the device-side verdict.
+`residual`) and the scheduler's half of a guess (`SpeculativeScheduler`: `make_room` before the
+verify step, `land` and `settle_guesses` after it); given to them: the speculation policy, the
+draft proposer, the verify step and the device-side verdict.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 from nanoserve.cache.paged import PagedKVPool
 from nanoserve.config import EngineConfig
+from nanoserve.engine.loop.scheduler import Scheduler
 from nanoserve.engine.speculation.draft_proposer import Draft
 from nanoserve.engine.speculation.ngram_proposer import propose_ngram
-from nanoserve.engine.speculation.speculative_base import speculative_method
-from nanoserve.engine.speculation.speculative_engine import SpeculativeEngine
-from nanoserve.engine.speculation.speculative_runner import SpeculativeRunner
+from nanoserve.engine.speculation.proposers import proposer_for, speculative_method
 from nanoserve.models.loader import load_model
 from nanoserve.recipes import overlap
 from nanoserve.recipes.paged_attention import kernel_attention
@@ -26,7 +25,7 @@ from nanoserve.samplers.speculative_sampler import Rule
 
 
 def build(config: EngineConfig, sizing: Sizing, parts: dict, backend: str) -> EngineParts:
-    """Stage 11's parts; the learner's loop, lookup and rule (or ours) in the engine."""
+    """Stage 11's parts; the learner's scheduler bookkeeping, lookup and rule (or ours)."""
     managers = {k: v for k, v in parts.items() if k == "PrefixBlockManager"}
     built = overlap.build(config, sizing, managers, backend)  # stage 11's persistent batch
     if speculative_method(config) == "draft" and sizing.tp_size > 1:
@@ -34,14 +33,12 @@ def build(config: EngineConfig, sizing: Sizing, parts: dict, backend: str) -> En
             "speculative_method='draft' runs the draft on one rank; with "
             f"tensor_parallel_size={sizing.tp_size} use speculative_method='ngram'"
         )
-    rule = Rule(parts.get("num_accepted", num_accepted), parts.get("residual", residual))
-    engine = functools.partial(
-        parts.get("SpeculativeEngine", SpeculativeEngine),
-        lookup=parts.get("propose_ngram", propose_ngram),
-        rule=rule,
-        draft=draft_model(config, sizing, built.cache, backend),
+    draft = draft_model(config, sizing, built.cache, backend)
+    return built._replace(
+        scheduler=parts.get("SpeculativeScheduler", Scheduler),
+        proposer=proposer_for(config, parts.get("propose_ngram", propose_ngram), draft),
+        rule=Rule(parts.get("num_accepted", num_accepted), parts.get("residual", residual)),
     )
-    return built._replace(engine=engine, runner=SpeculativeRunner)
 
 
 def draft_model(config: EngineConfig, sizing: Sizing, pool, backend: str) -> Draft | None:
@@ -71,11 +68,14 @@ RECIPE = dataclasses.replace(
         "propose_ngram": "nanoserve.engine.speculation.ngram_proposer:propose_ngram",
         "num_accepted": "nanoserve.samplers.rejection:num_accepted",
         "residual": "nanoserve.samplers.rejection:residual",
-        "SpeculativeScheduler": (
-            "nanoserve.engine.speculation.speculative_engine:SpeculativeScheduler"
-        ),
-        "SpeculativeEngine": "nanoserve.engine.speculation.speculative_engine:SpeculativeEngine",
+        "SpeculativeScheduler": "nanoserve.engine.loop.scheduler:Scheduler",
     },
     # stage 07's manager stays replaceable (enable_prefix_caching=False puts stage 04's there)
-    parts=("SpeculativeEngine", "propose_ngram", "num_accepted", "residual", "PrefixBlockManager"),
+    parts=(
+        "SpeculativeScheduler",
+        "propose_ngram",
+        "num_accepted",
+        "residual",
+        "PrefixBlockManager",
+    ),
 )

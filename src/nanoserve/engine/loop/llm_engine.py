@@ -1,8 +1,15 @@
-"""The engine loop: validate and queue requests, then step = schedule, run, postprocess.
+"""The engine loop: validate and queue requests, then step = schedule, execute, update.
 
-Introduced in stage 00; every stage reuses it and only swaps the cache manager (memory
-bookkeeping), the cache (tensor layout), the input packer and the attention backend (each stage's
-recipe, recipes/<slug>.py). It does no tokenization: requests arrive as ids.
+Introduced in stage 00; every stage runs this one loop, and a stage's recipe (recipes/<slug>.py)
+only swaps its parts: the cache manager (memory bookkeeping), the cache (tensor layout), the input
+packer, the attention backend, the runner (stage 11: one step in flight; stage 12: a proposer and
+a verify step inside it) and the scheduler's bookkeeping (stages 11 and 12's learners write it).
+
+    plan = scheduler.schedule()              what runs: sequences, prefill or decode, guesses
+    out = runner.execute(plan)               the step (stage 11: launched; the one before lands)
+    finished = scheduler.update(plan, out)   tokens appended, K/V counted, requests finished
+
+It does no tokenization: requests arrive as ids.
 """
 
 from __future__ import annotations
@@ -14,13 +21,18 @@ from nanoserve.engine.loop.scheduler import Scheduler
 from nanoserve.engine.loop.trace import StepRecord
 from nanoserve.engine.memory.kv_manager import KVCacheManager
 from nanoserve.engine.runner.model_runner import ModelRunner
+from nanoserve.engine.speculation.policy import Speculation, SpeculationStats
 from nanoserve.kernels.backend import BackendChoice
 from nanoserve.sampling import SamplingParams, clamp
-from nanoserve.types import Sequence
+from nanoserve.types import ScheduledBatch, Sequence, StepOutput
 
 
 class LLMEngine:
-    """One scheduler, one model runner, and the request checks in front of them."""
+    """One scheduler, one model runner, and the request checks in front of them.
+
+    scheduler: the scheduler class (stages 11 and 12: the learner's bookkeeping, or ours). A
+    runner with a proposer (stage 12) gets a speculation policy in the scheduler, and the
+    engine counts what its guesses gained (`speculation`)."""
 
     def __init__(
         self,
@@ -29,13 +41,19 @@ class LLMEngine:
         manager: KVCacheManager,
         eos_ids: Iterable[int],
         attention: BackendChoice,
+        scheduler: type[Scheduler] = Scheduler,
     ):
         self.config = config
         self.runner = runner
         self.manager = manager
         self.attention = attention  # which backend runs, and why (shown by --trace and bench)
-        self.scheduler = Scheduler(config, manager)
-        self.eos_ids = frozenset(eos_ids)
+        policy = None
+        if getattr(runner, "speculator", None) is not None:
+            rows = None if runner.graphs is None else runner.graphs.buckets[-1]
+            policy = Speculation(config.num_speculative_tokens, config.max_model_len, rows)
+        self.scheduler = scheduler(config, manager, eos_ids, policy)
+        # stage 12: proposals made and kept (None: the engine does not guess)
+        self.speculation = None if policy is None else SpeculationStats()
         self.vocab_size = runner.model.config.vocab_size
         self.on_step = None  # optional callback(StepRecord), e.g. the --trace printer
         self.num_steps = 0
@@ -75,39 +93,58 @@ class LLMEngine:
         self.manager.check_fits(len(prompt_token_ids), longest)
 
     def step(self) -> list[Sequence]:
-        """Run one batch; returns the sequences that finished in it."""
-        num_preempted_before = self.scheduler.num_preemptions
-        batch = self.scheduler.schedule()
-        if not batch.seqs:
-            raise RuntimeError("scheduler produced an empty batch with requests pending")
-        try:
-            inputs = self.runner.prepare(batch)
-            token_ids = self.runner.run(batch, inputs)
-        except BaseException:  # an error or an interrupt inside the forward pass
-            self.scheduler.undo(batch)
-            raise
-        self.count_step(batch, inputs, num_preempted_before)
-        return self.scheduler.postprocess(batch, token_ids, self.eos_ids)
+        """One turn of the loop: plan, execute, update; returns the sequences that finished.
 
-    def count_step(self, batch, inputs, num_preempted_before: int, gained=None) -> None:
-        """One more step run: the counters, and the on_step callback (e.g. --trace) told;
-        gained: what a stage 12 verify step gave each sequence (kept guesses, drawn token)."""
+        When it leaves nothing waiting or running, a turn with an empty plan follows: the step
+        still in flight (stage 11) lands, its every token discarded, and the runner lets go of
+        the ended requests' rows, so no call returns with work launched."""
+        num_preempted_before = self.scheduler.num_preemptions
+        plan = self.scheduler.schedule()
+        if not plan.seqs and self.runner.in_flight is None:
+            raise RuntimeError("scheduler produced an empty batch with requests pending")
+        finished = self.run(plan, num_preempted_before)
+        if self.scheduler.is_finished():
+            finished += self.run(self.scheduler.schedule())
+        return finished
+
+    def run(self, plan: ScheduledBatch, num_preempted_before: int = 0) -> list[Sequence]:
+        """Execute one plan and apply its output; a failed step undoes the plan."""
+        try:
+            out = self.runner.execute(plan)
+        except BaseException:  # an error or an interrupt inside the step
+            self.scheduler.undo(plan)
+            raise
+        if plan.seqs:
+            self.count_step(plan, out, num_preempted_before)
+        return self.scheduler.update(plan, out)
+
+    def count_step(self, plan: ScheduledBatch, out: StepOutput, num_preempted_before: int):
+        """One more step run: the counters, the guesses judged (stage 12), and the on_step
+        callback (e.g. --trace) told."""
         self.num_steps += 1
-        if batch.is_prefill:
-            self.num_prefill_tokens += sum(seq.num_scheduled_tokens for seq in batch.seqs)
+        if plan.is_prefill:
+            self.num_prefill_tokens += sum(seq.num_scheduled_tokens for seq in plan.seqs)
+        gained = out.tokens if out.guesses is not None else None  # None: no verify step
+        if gained is not None and out.guesses is not None and self.speculation is not None:
+            self.speculation = self.speculation.counted(out.guesses, gained)
         if self.on_step is not None:
             num_preempted = self.scheduler.num_preemptions - num_preempted_before
-            self.on_step(StepRecord(self.num_steps, batch, inputs, num_preempted, gained))
+            self.on_step(StepRecord(self.num_steps, plan, out.inputs, num_preempted,
+                                    gained, out.guesses))  # fmt: skip
 
     def abort(self, seqs: Iterable[Sequence]) -> None:
-        """Remove these requests from the queues and free their memory (finished ones: no-op)."""
+        """Remove these requests from the queues and free their memory (finished ones: no-op).
+        A token the device still owes one is never appended; when nothing is left queued, the
+        step in flight lands (all of it discarded) and the runner lets go of their rows."""
         for seq in seqs:
             self.scheduler.abort(seq)
+        if self.scheduler.is_finished():
+            self.run(self.scheduler.schedule())
 
     def shutdown(self) -> None:
         """Release what outlives a call: the tensor-parallel workers, if any (idempotent)."""
         self.runner.shutdown()
 
     def has_unfinished(self) -> bool:
-        """True while some request waits or runs."""
-        return not self.scheduler.is_finished()
+        """True while some request waits or runs, or a launched step has not landed."""
+        return not self.scheduler.is_finished() or self.runner.in_flight is not None

@@ -1,31 +1,59 @@
-"""The scheduler: which sequences run in the next step, and whether it is a prefill or a decode.
+"""The scheduler: which sequences run in the next step, and what a step's output does to them.
 
-Introduced in stage 00; unchanged in spirit since. Memory is the cache manager's business
-(`can_allocate/allocate/can_append/may_append/deallocate`); the scheduler asks, and keeps
-`num_cached_tokens` itself (from allocate's answer). A step is all-prefill or all-decode, as in
-nano-vLLM; with enable_chunked_prefill a long prompt is prefilled over several steps.
+Introduced in stage 00. Every stage runs one loop (engine/loop/llm_engine.py):
+
+    plan = scheduler.schedule()     which sequences, prefill or decode (stage 12: guess budgets)
+    out = runner.execute(plan)      the forward and the sampling (stage 11: one step in flight)
+    finished = scheduler.update(plan, out)
+
+`update` is the only code that moves a request on: it appends tokens, counts stored K/V
+(`num_cached_tokens`), finishes requests (`Sequence.finish`) and frees them. Memory is the cache
+manager's business (`can_allocate/allocate/can_append/may_append/deallocate`); the scheduler asks.
+A step is all-prefill or all-decode, as in nano-vLLM; with enable_chunked_prefill a long prompt is
+prefilled over several steps.
+
+Two words from stage 11 on, where a step's tokens reach the host one step late: `commit` (when a
+step is launched: its K/V will be stored, and each sequence that samples owes the host a token,
+`num_pending`) and `land` (when its tokens arrive). Up to stage 10 both happen in one `update`.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.memory.kv_manager import KVCacheManager, PrefixCachingManager
-from nanoserve.types import ScheduledBatch, Sequence, SequenceStatus
+from nanoserve.engine.memory.kv_manager import (
+    KVCacheManager,
+    PrefixCachingManager,
+    ReservesRoom,
+)
+from nanoserve.engine.speculation.policy import Speculation
+from nanoserve.types import Landed, ScheduledBatch, Sequence, SequenceStatus, StepOutput
 
 
 class Scheduler:
     """Waiting and running queues; admits by the manager's memory, preempts the newest."""
 
-    def __init__(self, config: EngineConfig, manager: KVCacheManager):
+    def __init__(
+        self,
+        config: EngineConfig,
+        manager: KVCacheManager,
+        eos_ids: Iterable[int] = (),
+        speculation: Speculation | None = None,
+    ):
         self.config = config
         self.manager = manager
+        self.eos_ids = frozenset(eos_ids)  # the model's end tokens (a request may ignore them)
         # stage 07: a manager that shares blocks hears about every block that fills
         self.prefix_manager = manager if isinstance(manager, PrefixCachingManager) else None
+        self.speculation = speculation  # stage 12: guess budgets in decode plans (None: never)
+        # stage 12: guesses need a block manager that reserves room and gives it back
+        self.room = manager if isinstance(manager, ReservesRoom) else None
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self.num_plans = 0  # plans that ran something (stage 12's back-off counts steps)
         self.freed: list[Sequence] = []  # left the running set since the last plan (`release`)
 
     def add(self, seq: Sequence) -> None:
@@ -36,29 +64,39 @@ class Scheduler:
         """True when nothing waits and nothing runs."""
         return not self.waiting and not self.running
 
+    # ---- the plan ----
+
     def schedule(self) -> ScheduledBatch:
-        """Prefill newly admitted sequences if any fit, else decode the running ones."""
+        """Prefill newly admitted sequences if any fit, else decode the running ones. Empty when
+        nothing can run until the step in flight lands (stage 11 on)."""
+        step = self.num_plans + 1
+        spec = self.speculation
+        may_guess = spec is not None and spec.may_guess(self.running, step)
+        if may_guess and any(seq.num_pending for seq in self.running):
+            return self._plan([], is_prefill=False)  # a guess needs every token before it
         prefill = self._schedule_prefill()
         if prefill:
             return self._plan(prefill, is_prefill=True)
-        return self._plan(self._schedule_decode(), is_prefill=False)
+        seqs = self._schedule_decode()
+        if spec is None or not seqs or not spec.may_guess(seqs, step):
+            return self._plan(seqs, is_prefill=False)
+        budgets = spec.budgets(seqs, step)  # after every sequence has room for its own token
+        guesses = tuple(self.make_room(seq, b) if b else 0 for seq, b in zip(seqs, budgets))
+        return self._plan(seqs, is_prefill=False, guesses=guesses)
 
-    def _plan(self, seqs: list[Sequence], is_prefill: bool) -> ScheduledBatch:
-        """The step; a step that runs carries the sequences released since the last one (an
-        empty one runs nothing, so they wait for the next)."""
-        if not seqs:
-            return ScheduledBatch(seqs, is_prefill)
-        return ScheduledBatch(seqs, is_prefill, self.take_freed())
+    def _plan(self, seqs: list[Sequence], is_prefill: bool, guesses=()) -> ScheduledBatch:
+        """The step, carrying the sequences released since the last plan."""
+        self.num_plans += bool(seqs)
+        return ScheduledBatch(seqs, is_prefill, self.take_freed(), guesses)
 
     def take_freed(self) -> tuple[Sequence, ...]:
-        """The sequences released since they were last taken (for a plan, or for the runner
-        once the engine is idle)."""
+        """The sequences released since they were last taken (for a plan)."""
         freed, self.freed = tuple(self.freed), []
         return freed
 
     def release(self, seq: Sequence) -> None:
-        """seq left the running set (finished, preempted or aborted): the next step's plan tells
-        the runner, which lets go of anything it holds for seq (stage 11: its device row)."""
+        """seq left the running set (finished, preempted or aborted): the next plan tells the
+        runner, which lets go of anything it holds for seq (stage 11: its device row)."""
         self.freed.append(seq)
 
     def _schedule_prefill(self) -> list[Sequence]:
@@ -88,12 +126,16 @@ class Scheduler:
         return seq.num_scheduled_tokens
 
     def _schedule_decode(self) -> list[Sequence]:
+        """Decode the running sequences, except those whose owed token already ends them (stage
+        11: no step may run past a length limit); preempt the newest when memory runs out."""
+        done = [s for s in self.running if owes_its_last_token(s, self.config.max_model_len)]
+        queue = deque(seq for seq in self.running if seq not in done)
         scheduled: list[Sequence] = []
-        while self.running and len(scheduled) < self.config.max_num_seqs:
-            seq = self.running.popleft()
+        while queue and len(scheduled) < self.config.max_num_seqs:
+            seq = queue.popleft()
             while not self.manager.can_append(seq):
-                if self.running:  # free the newest sequence's memory and retry
-                    self.preempt(self.running.pop())
+                if queue:  # free the newest sequence's memory and retry
+                    self.preempt(queue.pop())
                 else:  # seq is the only one left: it waits for memory itself
                     self.preempt(seq)
                     break
@@ -101,8 +143,14 @@ class Scheduler:
                 self.manager.may_append(seq)
                 seq.num_scheduled_tokens = 1
                 scheduled.append(seq)
-        self.running.extendleft(reversed(scheduled))
+        self.running = deque([*scheduled, *queue, *done])
         return scheduled
+
+    def make_room(self, seq: Sequence, budget: int) -> int:
+        """Stage 12: grow seq's blocks for up to `budget` guesses past its tokens, with free
+        blocks only (a guess never preempts anyone); returns how many guesses have room."""
+        assert self.room is not None, "guesses need a block manager (stage 04's or 07's)"
+        return self.room.reserve(seq, len(seq) + budget) - len(seq)
 
     def preempt(self, seq: Sequence) -> None:
         """Drop seq's cache and send it to the front of the queue; it is recomputed later."""
@@ -118,16 +166,22 @@ class Scheduler:
         self.manager.deallocate(seq)
         seq.num_cached_tokens = 0
 
-    def undo(self, batch: ScheduledBatch) -> None:
-        """Forget a step whose forward pass failed or was interrupted (the exception propagates).
+    def undo(self, plan: ScheduledBatch) -> None:
+        """Forget a plan whose step failed or was interrupted (the exception propagates).
 
         A prefill's K/V may be half written, so its sequences give their memory back and wait to
         be recomputed, at the front of the queue in their order. A decode step needs nothing: its
-        token was never appended, and growth made by may_append is reused by the next decode.
+        token was never appended, and growth made by may_append is reused by the next decode
+        (room reserved for guesses is given back).
         """
-        if not batch.is_prefill:
+        for seq in plan.seqs:
+            seq.num_scheduled_tokens = 0
+        if not plan.is_prefill:
+            for seq, budget in zip(plan.seqs, plan.guesses):
+                if budget and seq.status is SequenceStatus.RUNNING:
+                    self.give_back(seq, len(seq))
             return
-        for seq in reversed(batch.seqs):
+        for seq in reversed(plan.seqs):
             if seq in self.running:
                 self.running.remove(seq)
                 self.free(seq)
@@ -146,32 +200,84 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)  # a waiting sequence holds no memory
         self.release(seq)  # a preempted one may still hold a row until the next step
-        seq.num_pending = 0
         seq.finish("abort")
 
-    def postprocess(self, batch: ScheduledBatch, token_ids: list, eos_ids) -> list[Sequence]:
-        """Append each sampled token; finish and release sequences that are done.
+    # ---- the update ----
 
-        token_ids[i] is None for a sequence whose prefill chunk did not reach its last token:
-        it samples nothing yet and goes on prefilling next step.
-        """
-        finished = []
-        for seq, token_id in zip(batch.seqs, token_ids):
-            seq.num_cached_tokens += seq.num_scheduled_tokens  # this step stored their K/V
+    def update(self, plan: ScheduledBatch, out: StepOutput) -> list[Sequence]:
+        """Apply a step's output: the tokens of the step before, if they landed only now (stage
+        11), then this plan's progress, then its tokens if they are here. The only writer of
+        token_ids, num_cached_tokens, num_scheduled_tokens, num_pending and the finish.
+        Returns the sequences that finished, in the order they did."""
+        finished = self.land(out.earlier) if out.earlier is not None else []
+        self.commit(plan, out.sampled)
+        if out.tokens is not None:
+            finished += self.land(Landed(plan, out.tokens))
+        if plan.guesses:
+            self.settle_guesses(plan, out)
+        return finished
+
+    def commit(self, plan: ScheduledBatch, sampled: tuple[int, ...]) -> None:
+        """The plan's step will store its tokens' K/V, and each sequence that samples owes the
+        host a token until it lands. A sequence that finished meanwhile (while the step was
+        being launched) is skipped: the step's token for it is discarded."""
+        sampling = set(sampled)
+        for i, seq in enumerate(plan.seqs):
+            if seq.is_finished:
+                seq.num_scheduled_tokens = 0
+                continue
+            seq.num_cached_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
             if self.prefix_manager is not None:  # blocks that just filled become shareable
                 self.prefix_manager.hash_blocks(seq)
-            if token_id is None:
+            seq.num_pending += i in sampling
+
+    def land(self, landed: Landed) -> list[Sequence]:
+        """A step's tokens arrived: each sequence that owes one takes what it gained (a stage 12
+        verify step's kept guesses, whose K/V it stored, then the drawn token), up to the first
+        token that finishes it; finished ones are freed. Returns those, in batch order.
+
+        A sequence that finished already gets nothing (the step after its end); one preempted
+        while the step ran (stage 11) sits in `waiting`, holding no memory."""
+        finished = []
+        for seq, gained in zip(landed.plan.seqs, landed.tokens):
+            if not gained or seq.is_finished:  # a prefill chunk, or the step after its end
                 continue
-            seq.append_token(token_id)
-            reason = finish_reason(seq, token_id, eos_ids, self.config.max_model_len)
-            if reason is not None:
-                seq.finish(reason)
+            seq.num_pending -= 1
+            reason = None
+            for token_id in gained:
+                seq.append_token(token_id)
+                reason = finish_reason(seq, token_id, self.eos_ids, self.config.max_model_len)
+                if reason is not None:
+                    break
+            if reason is None:
+                seq.num_cached_tokens += len(gained) - 1  # the kept guesses' K/V stays
+                if self.prefix_manager is not None:
+                    self.prefix_manager.hash_blocks(seq)
+                continue
+            seq.finish(reason)
+            if seq in self.waiting:  # preempted while its last token was in flight
+                self.waiting.remove(seq)
+            else:
                 self.manager.deallocate(seq)
                 self.running.remove(seq)
                 self.release(seq)
-                finished.append(seq)
+            finished.append(seq)
         return finished
+
+    def settle_guesses(self, plan: ScheduledBatch, out: StepOutput) -> None:
+        """Stage 12, after a plan with guess budgets: the back-off learns what was kept, and the
+        blocks reserved past each sequence's stored K/V (rejected guesses, unused room) go back."""
+        if self.speculation is not None:
+            self.speculation.judged(plan, out.tokens)
+        for seq, budget in zip(plan.seqs, plan.guesses):
+            if budget and seq.status is SequenceStatus.RUNNING:
+                self.give_back(seq, seq.num_cached_tokens)
+
+    def give_back(self, seq: Sequence, num_tokens: int) -> None:
+        """Stage 12: seq's blocks past its first num_tokens tokens go back to the pool."""
+        assert self.room is not None, "guesses need a block manager (stage 04's or 07's)"
+        self.room.truncate(seq, num_tokens)
 
 
 def is_prefilling(seq: Sequence) -> bool:
@@ -182,6 +288,14 @@ def is_prefilling(seq: Sequence) -> bool:
     computes it the same way, and samples from it.)
     """
     return len(seq) - seq.num_cached_tokens > 1
+
+
+def owes_its_last_token(seq: Sequence, max_model_len: int) -> bool:
+    """Stage 11: True when the token the device owes seq ends it by length: no step may follow."""
+    if seq.num_pending == 0:
+        return False
+    completion = seq.num_completion_tokens + seq.num_pending
+    return completion >= seq.params.max_tokens or len(seq) >= max_model_len
 
 
 def finish_reason(seq: Sequence, token_id: int, eos_ids, max_model_len: int) -> str | None:

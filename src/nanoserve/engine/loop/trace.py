@@ -29,6 +29,7 @@ class StepRecord(NamedTuple):
     inputs: StepInputs
     num_preempted: int  # sequences preempted while scheduling this step
     gained: list[list[int]] | None = None  # stage 12's verify step: kept guesses + drawn token
+    guesses: list[list[int]] | None = None  # stage 12: what each sequence guessed
 
 
 def free_memory(manager) -> str:
@@ -79,8 +80,8 @@ def format_step(record: StepRecord, manager) -> str:
             where = f"slab {seq.slab_id}"
         written = f"  slots {short(slots)}" if any(s >= 0 for s in slots) else ""
         lines.append(f"  seq {seq.seq_id}  len {len(seq)}  {where}{written}")
-    if record.gained is not None:  # printed before the rollback: len and blocks count guesses
-        for line, seq, gained in zip(lines[1:], record.batch.seqs, record.gained):
-            i = lines.index(line)
-            lines[i] = f"{line}  guessed {seq.num_draft_tokens} kept {len(gained) - 1}"
+    if record.gained is not None:  # printed before the rollback: blocks hold the guesses' room
+        guesses = record.guesses or [[] for _ in record.gained]
+        for i, (guessed, gained) in enumerate(zip(guesses, record.gained), start=1):
+            lines[i] = f"{lines[i]}  guessed {len(guessed)} kept {len(gained) - 1}"
     return "\n".join(lines)

@@ -71,20 +71,29 @@ class BlockManager:
         block_ids = self._release(seq)
         self.allocator.free([b for b in block_ids if self.ref_counts[b] == 0])
 
+    def reserve(self, seq: Sequence, num_tokens: int) -> int:
+        """Stage 12: grow seq's table toward num_tokens tokens with free blocks only (nobody is
+        preempted for it); returns how many tokens the table has room for now."""
+        table = self.tables[seq.seq_id]
+        room = (len(table.block_ids) + self.num_free_blocks) * self.block_size
+        num_tokens = max(table.num_tokens, min(num_tokens, room))
+        self._grow(seq, table, num_tokens)
+        return num_tokens
+
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Stage 12's rollback: seq's table keeps its first num_tokens tokens; blocks past them
         are dropped (and freed, last first, when nobody else holds them)."""
         self.allocator.free([b for b in self._shrink(seq, num_tokens) if self.ref_counts[b] == 0])
 
-    def _grow(self, seq: Sequence, table: BlockTable) -> list[int]:
-        """Grow table to len(seq) tokens, hold what it pulled, record it as seq's; returns the
-        new ids. An OutOfBlocks leaves everything as it was.
+    def _grow(self, seq: Sequence, table: BlockTable, num_tokens: int | None = None) -> list[int]:
+        """Grow table to len(seq) tokens (or num_tokens), hold what it pulled, record it as
+        seq's; returns the new ids. An OutOfBlocks leaves everything as it was.
 
         This, `_release` and `_shrink` (stage 12) are the only writers of seq.block_table: the
         manager owns the table, the sequence shows it (re-shown each time: a table may replace
         its list when it grows).
         """
-        fresh = grow_table(table, len(seq))
+        fresh = grow_table(table, len(seq) if num_tokens is None else num_tokens)
         self._hold(fresh)
         self.tables[seq.seq_id] = table
         seq.block_table = table.block_ids

@@ -68,6 +68,15 @@ class PrefixCachingManager(Protocol):
 
 
 @runtime_checkable
+class ReservesRoom(Protocol):
+    """A block manager that can hold room past a sequence's tokens and give it back (stage 12:
+    guesses take room before the verify step, the rejected ones give it back after)."""
+
+    def reserve(self, seq: Sequence, num_tokens: int) -> int: ...
+    def truncate(self, seq: Sequence, num_tokens: int) -> None: ...
+
+
+@runtime_checkable
 class CountsBlocks(Protocol):
     """What `--trace` shows of a block-based manager."""
 

@@ -125,9 +125,9 @@ class PrefixBlockManager(BlockManager):
         need = blocks_for(len(seq), self.block_size) - len(hits) + reclaimed
         return Admission(self.num_free_blocks >= need, len(hits))
 
-    def _grow(self, seq: Sequence, table: BlockTable) -> list[int]:
+    def _grow(self, seq: Sequence, table: BlockTable, num_tokens: int | None = None) -> list[int]:
         """Grow as stage 04 does; a block pulled for new content drops its stale entry."""
-        fresh = super()._grow(seq, table)
+        fresh = super()._grow(seq, table, num_tokens)
         for block_id in fresh:
             self._forget(block_id)
         return fresh

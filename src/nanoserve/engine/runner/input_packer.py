@@ -210,3 +210,29 @@ class InputPacker:
     def prepare_rows(self, message: StepMessage) -> StepInputs:
         """A worker's step: rank 0's rows packed exactly as rank 0 packed them."""
         return pack_rows(message.rows, self.block_size, self.device, is_prefill=message.is_prefill)
+
+
+def verify_rows(seqs: list[Sequence], guesses: list[list[int]], as_decode: bool) -> StepMessage:
+    """Stage 12's verify step: what each sequence computes, its newest token then its guesses
+    (which live beside its token_ids until the verdict), from position len(seq) - 1 on.
+
+    As one decode row per token (each at its own position over the sequence's table, so it
+    reads exactly its own prefix: the rows before it in the step are stored first; a captured
+    graph replays them), or as one prefill-shaped chunk per sequence (causal among its rows,
+    each context read once), with logits at every row. Trace, block_size 4, a sequence of 6
+    tokens (newest t), table [5, 2], guesses [9, 8]:
+
+        as decode rows                       as one chunk
+        row 0: t  @5  slot 9   context 6     rows t@5 9@6 8@7, slots 9 10 11
+        row 1: 9  @6  slot 10  context 7     cu_seqlens_q [0, 3], context 8, causal
+        row 2: 8  @7  slot 11  context 8
+    """
+    chunks = [
+        (seq.token_ids[-1:] + g, len(seq) - 1, seq.block_table) for seq, g in zip(seqs, guesses)
+    ]
+    if not as_decode:
+        rows = [StepRow(tokens, start, table) for tokens, start, table in chunks]
+        return StepMessage(True, rows, len(rows), every_row=True)
+    rows = [StepRow([t], start + j, table) for tokens, start, table in chunks
+            for j, t in enumerate(tokens)]  # fmt: skip
+    return StepMessage(False, rows, len(rows))

@@ -4,10 +4,10 @@ Introduced in stage 00. It is built whole: the model, the stage's KV cache, the 
 over it, the input packer, and (stage 08) the decode graphs and (stage 09) the tensor-parallel
 workers all arrive at construction (`recipes/assemble.py` builds them). It makes no scheduling
 decisions and keeps no per-request state. On rank 0 of several it hands each step to the workers
-(`StepFanout`); on a worker `execute` runs the step rank 0 sent.
+(`StepFanout`); on a worker `execute_rows` runs the step rank 0 sent.
 
-    step:  prepare(batch) -> StepInputs  ->  run(batch, inputs) -> token ids
-           (host lists -> device tensors)    (forward or graph replay, then the sampler)
+    execute(plan):  prepare(plan) -> StepInputs  ->  run(plan, inputs) -> token ids
+                    (host lists -> device tensors)   (forward or graph replay, then the sampler)
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from nanoserve.kernels.backend import AttentionBackend
 from nanoserve.logprobs import pending_logprobs
 from nanoserve.models.decoder import CausalLM
 from nanoserve.sampling import Sampler, SamplingParams
-from nanoserve.types import ScheduledBatch, Sequence, StepInputs, StepMessage
+from nanoserve.types import ScheduledBatch, Sequence, StepInputs, StepMessage, StepOutput
 
 
 @runtime_checkable
@@ -69,6 +69,18 @@ class ModelRunner:
         self.workers = workers  # stage 09, on rank 0 of several: the other ranks
         self.sampler = Sampler()
 
+    in_flight: object | None = None  # a step launched, not yet landed: never here (stage 11: one)
+
+    def execute(self, plan: ScheduledBatch) -> StepOutput:
+        """Run the plan's step and return its tokens (an empty plan runs nothing)."""
+        if not plan.seqs:
+            return StepOutput(None, (), [])
+        inputs = self.prepare(plan)
+        token_ids = self.run(plan, inputs)
+        sampled = tuple(i for i, token_id in enumerate(token_ids) if token_id is not None)
+        tokens = [[] if token_id is None else [token_id] for token_id in token_ids]
+        return StepOutput(inputs, sampled, tokens)
+
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         """The step's device tensors, packed from the batch's host lists."""
         return self.packer.prepare(batch)
@@ -103,7 +115,7 @@ class ModelRunner:
         return self.workers.step(self.packer.rows(batch))
 
     @torch.inference_mode()
-    def execute(self, message: StepMessage) -> None:
+    def execute_rows(self, message: StepMessage) -> None:
         """A tensor-parallel worker's step: pack rank 0's rows as rank 0 did, run the forward.
 
         Stage 11 sends decode rows without their token ids (rank 0's host has not seen them):

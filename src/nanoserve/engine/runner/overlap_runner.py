@@ -1,10 +1,18 @@
-"""The overlap runner: launch a step on the device and return at once; its tokens come later.
+"""The overlap runner: one step in flight. `execute(plan)` launches the plan's step on the
+device, then waits for the step launched before it and hands back those tokens.
 
-Introduced in stage 11. `ModelRunner.run` returns token ids, so the host waits for the device at
-every step. `launch` returns a `Launched` step instead: inputs sent (only what changed, through
-the persistent batch), forward and sampling queued on the device, the sampled tokens on their
-way to pinned host memory behind an event. Nothing in it waits for the device, so the engine can
-schedule the next step while this one runs, and read these tokens afterwards.
+Introduced in stage 11. `ModelRunner.execute` returns the plan's own tokens, so the host waits
+for the device at every step. Here `launch` returns a `Launched` step instead: inputs sent (only
+what changed, through the persistent batch), forward and sampling queued on the device, the
+sampled tokens on their way to pinned host memory behind an event. Nothing in it waits for the
+device, so the host's work for the next step runs while this one computes:
+
+    host:    schedule N+1 | launch N+1 | wait N -> update (N lands, N+1 commits) | schedule N+2
+    device:  ...  step N  ...........  | step N+1 ...................................... |
+
+Stage 12 adds a proposer and a verify step: a plan with guess budgets is proposed for (every
+token before the guesses is known: the scheduler plans guesses only once the step in flight has
+landed) and verified in one forward; its verdict comes back at once.
 
     launch(batch):  rows = send(seqs)            one small copy: rows + new table entries
                     inputs: prefill from host lists (the prompt is on the host)
@@ -16,19 +24,33 @@ schedule the next step while this one runs, and read these tokens afterwards.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import itertools
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
 
+from nanoserve.engine.memory.kv_manager import blocks_for
 from nanoserve.engine.runner.cuda_graphs import bucket_for
 from nanoserve.engine.runner.device_batch import to_device_ints
 from nanoserve.engine.runner.graph_buffers import view_rows
-from nanoserve.engine.runner.model_runner import ModelRunner, completes_prompt
+from nanoserve.engine.runner.input_packer import verify_rows
+from nanoserve.engine.runner.model_runner import ModelRunner, completes_prompt, forward_logits
 from nanoserve.engine.runner.persistent_batch import PersistentBatch
-from nanoserve.logprobs import LogprobTensors, PendingLogprobs, pending_logprobs
+from nanoserve.logprobs import LogprobTensors, PendingLogprobs, logprob_tensors, pending_logprobs
 from nanoserve.samplers.device_sampler import sample
-from nanoserve.types import ScheduledBatch, Sequence, StepInputs, StepMessage, StepRow
+from nanoserve.samplers.speculative_sampler import RULE, Rule, verify
+from nanoserve.types import (
+    Landed,
+    ScheduledBatch,
+    Sequence,
+    StepInputs,
+    StepMessage,
+    StepOutput,
+    StepRow,
+)
 
 
 class Launched(NamedTuple):
@@ -41,17 +63,26 @@ class Launched(NamedTuple):
     ready: torch.cuda.Event | None  # fires when `tokens` holds the step's tokens (None: CPU)
     logprobs: PendingLogprobs | None = None  # host copies beside `tokens`, when some row asked
 
-    def token_ids(self) -> list[int | None]:
-        """Wait for the step's tokens; one per sequence of the batch (None: nothing sampled).
-        The logprobs asked for are stored on their sequences first."""
+    def landed(self) -> Landed:
+        """Wait for the step's tokens: per sequence of the batch, [its token], or [] for a
+        prefill chunk that sampled nothing. The logprobs asked for are stored first."""
         if self.ready is not None:
             self.ready.synchronize()
         if self.logprobs is not None:
             self.logprobs.record()
-        out: list[int | None] = [None] * len(self.batch.seqs)
+        out: list[list[int]] = [[] for _ in self.batch.seqs]
         for i, token_id in zip(self.sampled, self.tokens.tolist()):
-            out[i] = token_id
-        return out
+            out[i] = [token_id]
+        return Landed(self.batch, out)
+
+
+class Proposer(Protocol):
+    """Stage 12: what guesses (engine/speculation/): up to budgets[b] tokens for seqs[b], and
+    the distribution each guess was drawn from ((B, K, V), or None when every guess is sure)."""
+
+    def propose(
+        self, seqs: list[Sequence], budgets: tuple[int, ...]
+    ) -> tuple[list[list[int]], torch.Tensor | None]: ...
 
 
 def needs_filter(seq: Sequence) -> bool:
@@ -60,11 +91,47 @@ def needs_filter(seq: Sequence) -> bool:
 
 
 class OverlapRunner(ModelRunner):
-    """A model runner whose steps run on the device while the host goes on."""
+    """A model runner whose steps run on the device while the host goes on; it owns the device
+    batch (`state`) and, at stage 12, the proposer and the verify step.
 
-    def __init__(self, *args, state: PersistentBatch, **kwargs):
+    proposer: builds the stage 12 proposer from this runner (a draft model reads its device
+    batch and packer); rule: the rejection rule's two functions."""
+
+    def __init__(
+        self,
+        *args,
+        state: PersistentBatch,
+        proposer: Callable[[OverlapRunner], Proposer] | None = None,
+        rule: Rule = RULE,
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
         self.state = state
+        self.in_flight: Launched | None = None  # the step launched last, not yet landed
+        self.proposer = None if proposer is None else proposer(self)
+        self.rule = rule
+
+    def execute(self, plan: ScheduledBatch) -> StepOutput:
+        """Launch the plan's step, then wait for the step in flight before it: its tokens come
+        back in `earlier`, the plan's own stay on the device until the next call. A plan with
+        guess budgets is proposed for and verified at once (nothing is in flight then)."""
+        self.forget(plan.freed)  # before any row is handed out: theirs may be reused
+        proposer = self.proposer if any(plan.guesses) else None
+        guessing = proposer is not None
+        if proposer is not None:
+            assert self.in_flight is None, "guesses are planned once the step in flight landed"
+            guesses, draft_probs = proposer.propose(plan.seqs, plan.guesses)
+            if any(guesses):
+                return self.verify(plan, guesses, draft_probs)
+        launched = self.launch(plan) if plan.seqs else None
+        if guessing:  # nobody guessed: a stage 11 step, and the room goes back
+            self.unsend_room(plan.seqs)
+        earlier, self.in_flight = self.in_flight, launched
+        landed = None if earlier is None else earlier.landed()
+        if launched is None:
+            return StepOutput(None, (), [], landed)
+        none: list[list[int]] | None = [[] for _ in plan.seqs] if plan.guesses else None
+        return StepOutput(launched.inputs, tuple(launched.sampled), None, landed, none)
 
     def forget(self, seqs) -> None:
         """Let go of the rows of sequences that left the running set (a plan's `freed`); a
@@ -76,7 +143,6 @@ class OverlapRunner(ModelRunner):
     def launch(self, batch: ScheduledBatch) -> Launched:
         """Queue the batch's forward and sampling on the device; wait for nothing."""
         seqs = batch.seqs
-        self.forget(batch.freed)  # before any row is handed out: theirs may be reused
         rows = self.state.send(seqs)
         host_rows = [self.state.row_of(seq) for seq in seqs]
         replay = False
@@ -122,6 +188,51 @@ class OverlapRunner(ModelRunner):
         static = view_rows(self.graphs.static, bucket)  # type: ignore[union-attr]
         return self.state.decode_inputs(seqs, rows, static), True
 
+    @torch.inference_mode()
+    def verify(
+        self, plan: ScheduledBatch, guesses: list[list[int]], draft_probs: torch.Tensor | None
+    ) -> StepOutput:
+        """Stage 12's verify step: the target over each sequence's newest token and guesses,
+        in one forward; the verdict (kept guesses, then a drawn token) comes back at once."""
+        seqs = plan.seqs
+        rows = self.state.send(seqs)  # the table entries grown for the guesses included
+        num_rows = sum(1 + len(g) for g in guesses)
+        fits = self.graphs is not None and bucket_for(num_rows, self.graphs.buckets) is not None
+        message = verify_rows(seqs, guesses, as_decode=fits)
+        inputs = self.packer.prepare_rows(message)
+        with self.workers.step(message) if self.workers is not None else nullcontext():
+            logits = forward_logits(self.model, inputs, self.attention, message.num_seqs,
+                                    self.graphs, every_row=message.every_row)  # fmt: skip
+        assert logits is not None, "rank 0 gathers the logits"
+        packed = Guesses.of(seqs, guesses, self.device)
+        tensors = self.state.sampling(rows, packed.positions, any(map(needs_filter, seqs)))
+        verdict = verify(logits, packed.cu_seqlens_q, packed.draft_ids, packed.num_draft,
+                         draft_probs, tensors, self.rule)  # fmt: skip
+        self.state.record(rows, verdict.token_ids, packed.positions + verdict.num_accepted + 1)
+        accepted, drawn = verdict.num_accepted.tolist(), verdict.token_ids.tolist()
+        gained = [[*g[:a], t] for g, a, t in zip(guesses, accepted, drawn)]
+        self.cut_sent_tables(seqs, [len(seq) + a for seq, a in zip(seqs, accepted)])
+        record_logprobs(seqs, logits, packed.cu_rows, gained)
+        return StepOutput(inputs, tuple(range(len(seqs))), gained, None, guesses)
+
+    def cut_sent_tables(self, seqs: list[Sequence], num_stored: list[int]) -> None:
+        """After a verify step each row's next token and length are on the device, and the
+        scheduler keeps only the blocks of the tokens whose K/V stays (num_stored): past them
+        the device's table entries are stale, and the next growth must send its block again."""
+        for seq, stored in zip(seqs, num_stored):
+            row = self.state.row_of(seq)
+            self.state.sampled[row] = True
+            kept = blocks_for(stored, self.packer.block_size)
+            self.state.num_sent[row] = min(self.state.num_sent[row], kept)
+
+    def unsend_room(self, seqs: list[Sequence]) -> None:
+        """A plan whose room for guesses went unused: the scheduler gives those blocks back, so
+        the device must not think it holds them (they are sent again if the table regrows)."""
+        for seq in seqs:
+            row = self.state.row_of(seq)
+            kept = blocks_for(len(seq), self.packer.block_size)
+            self.state.num_sent[row] = min(self.state.num_sent[row], kept)
+
     def fan_out(self, batch: ScheduledBatch):
         """Stage 09's fan-out; a decode step's ids are not on the host, so rank 0 broadcasts
         them inside the step (the rows carry a placeholder token at the right position)."""
@@ -142,3 +253,43 @@ def to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda
     ready = torch.cuda.Event()
     ready.record()
     return host, ready
+
+
+class Guesses(NamedTuple):
+    """A verify step's guesses packed for the verdict (one copy up)."""
+
+    cu_rows: list[int]  # where each sequence's logits rows start (k + 1 rows each)
+    draft_ids: torch.Tensor  # (B, K) the guesses, padded with -1 to the most any made
+    num_draft: torch.Tensor  # (B,)
+    positions: torch.Tensor  # (B,) L: each sequence's length, its first guess's position
+    cu_seqlens_q: torch.Tensor  # (B + 1,) the cu_rows
+
+    @classmethod
+    def of(cls, seqs: list[Sequence], guesses: list[list[int]], device) -> Guesses:
+        num_draft = [len(g) for g in guesses]
+        k, b = max(num_draft), len(seqs)
+        flat = [x for g in guesses for x in g + [-1] * (k - len(g))]
+        cu_rows = list(itertools.accumulate((n + 1 for n in num_draft), initial=0))
+        packed = to_device_ints(flat + num_draft + [len(s) for s in seqs] + cu_rows, device)
+        draft_ids, num_draft_t, lens_t, cu = packed.split([b * k, b, b, b + 1])
+        return cls(cu_rows, draft_ids.view(b, k), num_draft_t, lens_t, cu)
+
+
+def record_logprobs(seqs, logits: torch.Tensor, cu_rows: list[int], gained) -> None:
+    """For the sequences that ask (SamplingParams.logprobs): each gained token's logprobs, from
+    the row that judged it (row j of a sequence scores the token at position L + j)."""
+    asking = [b for b, seq in enumerate(seqs) if seq.params.logprobs is not None]
+    if not asking:
+        return
+    owners, indices, rows, tokens = [], [], [], []
+    for b in asking:
+        first = len(seqs[b]) - seqs[b].num_prompt_tokens  # the completion index of L
+        for j, token_id in enumerate(gained[b]):
+            owners.append(seqs[b])
+            indices.append(first + j)
+            rows.append(cu_rows[b] + j)
+            tokens.append(token_id)
+    k = max(seqs[b].params.logprobs for b in asking)
+    picked = torch.tensor(rows, device=logits.device)
+    tensors = logprob_tensors(logits[picked], torch.tensor(tokens, device=logits.device), k)
+    PendingLogprobs(owners, indices, tensors).record()

@@ -1,3 +1,3 @@
-"""Speculative decoding (stage 12): proposers (n-gram, draft model), the verify step in one
-target forward, and the loop and scheduler parts that add guesses and roll them back.
+"""Speculative decoding (stage 12): the policy the scheduler plans guesses with (budgets and the
+back-off), and the proposers the runner calls (n-gram lookup, a draft model).
 """

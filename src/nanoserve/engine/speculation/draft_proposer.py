@@ -21,7 +21,6 @@ top-p), which the acceptance test needs: it returns q for every guess.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -49,6 +48,7 @@ class DraftProposer:
     block tables (the same block ids, so no second manager)."""
 
     def __init__(self, runner: OverlapRunner, draft: Draft, shares_pages: bool):
+        # it runs inside the runner (its device batch, packer and model), which builds it
         self.runner, self.draft = runner, draft
         # a draft with pages of its own stores K/V only for what it was fed: per sequence, how
         # many leading tokens it holds, and the preemption count they belong to
@@ -69,14 +69,15 @@ class DraftProposer:
 
     @torch.inference_mode()
     def propose(
-        self, seqs: list[Sequence], budgets: list[int], admit: Callable[[Sequence, int], bool]
-    ) -> torch.Tensor | None:
-        """Draft up to budgets[b] tokens for each sequence, offering each through admit; returns
-        q (B, K, V) float32, the distribution each guess was drawn from (zeros past a row's
-        guesses), or None when nobody may propose."""
+        self, seqs: list[Sequence], budgets: tuple[int, ...]
+    ) -> tuple[list[list[int]], torch.Tensor | None]:
+        """Draft up to budgets[b] tokens for each sequence (its blocks already have room for
+        them); returns the guesses and q (B, K, V) float32, the distribution each guess was
+        drawn from (zeros past a row's guesses), or None when nobody may propose."""
         k, runner = max(budgets, default=0), self.runner
+        guesses: list[list[int]] = [[] for _ in seqs]
         if k == 0:
-            return None
+            return guesses, None
         q = torch.zeros(len(seqs), k, runner.model.config.vocab_size, device=runner.device)
         active = [b for b, budget in enumerate(budgets) if budget > 0]
         for j in range(k):
@@ -84,20 +85,21 @@ class DraftProposer:
                 break
             # the first step feeds everything the draft lacks (one token when it shares pages),
             # the next ones the guess just made; each row's logits at its last token
-            rows = [self.row(seqs[b], first=j == 0) for b in active]
+            rows = [self.row(seqs[b], guesses[b], first=j == 0) for b in active]
             probs, (seeds, positions) = self.step(rows, [seqs[b] for b in active])
-            guesses = draw(probs, row_keys(seeds ^ DRAFT_STREAM, positions)).tolist()
+            drawn = draw(probs, row_keys(seeds ^ DRAFT_STREAM, positions)).tolist()
             q[torch.tensor(active, device=runner.device), j] = probs
-            for b in active:  # fed up to the newest token; the guess itself is not yet fed
-                self.stored[seqs[b]] = (seqs[b].num_preemptions, len(seqs[b]))
-            active = [b for b, token_id in zip(active, guesses)
-                      if admit(seqs[b], token_id) and budgets[b] > j + 1]  # fmt: skip
-        return q
+            for b, token_id in zip(active, drawn):  # fed up to the newest; the guess is not
+                self.stored[seqs[b]] = (seqs[b].num_preemptions, len(seqs[b]) + len(guesses[b]))
+                guesses[b].append(token_id)
+            active = [b for b in active if budgets[b] > j + 1]
+        return guesses, q
 
-    def row(self, seq: Sequence, first: bool) -> StepRow:
-        """What the draft feeds seq in this step."""
-        start = self.start(seq) if first else len(seq) - 1
-        return StepRow(seq.token_ids[start:], start, seq.block_table)
+    def row(self, seq: Sequence, guessed: list[int], first: bool) -> StepRow:
+        """What the draft feeds seq in this step (its guesses so far follow its tokens)."""
+        tokens = seq.token_ids + guessed
+        start = self.start(seq) if first else len(tokens) - 1
+        return StepRow(tokens[start:], start, seq.block_table)
 
     def step(self, rows: list[StepRow], seqs: list[Sequence]):
         """One draft forward over rows: each row's q (the request's own sampling), and the

@@ -14,8 +14,6 @@ suffixes before shorter ones; nothing found proposes nothing and the step decode
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import torch
 
@@ -49,15 +47,12 @@ class NgramProposer:
         self.max_n, self.min_n, self.lookup = max_n, min_n, lookup
 
     def propose(
-        self, seqs: list[Sequence], budgets: list[int], admit: Callable[[Sequence, int], bool]
-    ) -> torch.Tensor | None:
-        """Offer each sequence up to its budget of guesses, in order, through admit (which
-        appends one and returns False when memory has no room for it). Returns None: every
-        guess is certain, so there are no draft distributions to return."""
-        for seq, budget in zip(seqs, budgets):
-            if budget == 0:
-                continue
-            for token_id in self.lookup(seq.token_ids, budget, self.max_n, self.min_n):
-                if not admit(seq, token_id):
-                    break
-        return None
+        self, seqs: list[Sequence], budgets: tuple[int, ...]
+    ) -> tuple[list[list[int]], torch.Tensor | None]:
+        """Up to budgets[b] guesses for seqs[b]; no draft distributions (None): every guess is
+        certain."""
+        guesses = [
+            self.lookup(seq.token_ids, budget, self.max_n, self.min_n)[:budget] if budget else []
+            for seq, budget in zip(seqs, budgets)
+        ]
+        return guesses, None

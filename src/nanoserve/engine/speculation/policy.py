@@ -1,0 +1,122 @@
+"""When and how much to guess: the speculation policy the scheduler plans with (stage 12).
+
+Introduced in stage 12, given to its learner. Each decode plan says how many guesses each of its
+sequences may take (`ScheduledBatch.guesses`); the runner's proposer takes at most that many. The
+policy decides:
+
+- how many: `num_speculative_tokens`, never past max_tokens or max_model_len (a kept guess plus
+  the token drawn after the kept ones must still fit), and few enough that the verify step's rows
+  still fit the largest captured graph (a batch of B sequences: (rows - B) // B each);
+- when: a sequence whose guesses all missed (or which found none) backs off (`Backoff`), so the
+  steps nobody guesses in run as stage 11's, overlapped;
+- what it cost and gained: `SpeculationStats`, read by bench, --trace and /metrics.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import NamedTuple
+
+from nanoserve.types import Sequence
+
+
+class SpeculationStats(NamedTuple):
+    """Proposals made and kept since the engine started."""
+
+    num_verify_steps: int = 0  # steps that verified proposals
+    num_verified_seqs: int = 0  # sequence-steps inside them
+    num_proposed: int = 0  # guesses judged
+    num_accepted: int = 0  # guesses kept
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Kept guesses per guess (0 before the first)."""
+        return self.num_accepted / self.num_proposed if self.num_proposed else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens a verified sequence gains per step: kept guesses plus the one drawn."""
+        seqs = self.num_verified_seqs
+        return (self.num_accepted + seqs) / seqs if seqs else 0.0
+
+    def counted(self, guesses: list[list[int]], tokens: list[list[int]]) -> SpeculationStats:
+        """These stats after one verify step (per sequence: what it guessed, what it gained)."""
+        return SpeculationStats(
+            self.num_verify_steps + 1,
+            self.num_verified_seqs + len(tokens),
+            self.num_proposed + sum(map(len, guesses)),
+            self.num_accepted + sum(len(gained) - 1 for gained in tokens),
+        )
+
+
+class Backoff:
+    """When guessing does not pay: a sequence whose guesses all missed (or which found none)
+    waits 2, then 4, ... up to MAX_WAIT steps before it guesses again; a kept guess resets it.
+
+    A sequence waiting w steps may guess only on steps that are multiples of w, so the waiting
+    sequences guess on the same steps and the steps between them run as stage 11's, overlapped.
+    Where guesses never hit (random text), one step in MAX_WAIT is a speculative one.
+    """
+
+    MAX_WAIT = 64
+
+    def __init__(self):
+        self.wait: weakref.WeakKeyDictionary[Sequence, int] = weakref.WeakKeyDictionary()
+
+    def is_open(self, seq: Sequence, step: int) -> bool:
+        """True when seq may guess on this step number."""
+        return step % self.wait.get(seq, 1) == 0
+
+    def missed(self, seq: Sequence) -> None:
+        """seq guessed nothing that was kept: wait twice as long (at most MAX_WAIT)."""
+        self.wait[seq] = min(2 * self.wait.get(seq, 1), self.MAX_WAIT)
+
+    def hit(self, seq: Sequence) -> None:
+        """seq kept a guess: it guesses every step again."""
+        self.wait.pop(seq, None)
+
+
+class Speculation:
+    """The scheduler's part of stage 12: each decode plan's guess budgets, and the back-off."""
+
+    def __init__(self, num_speculative_tokens: int, max_model_len: int, graph_rows: int | None):
+        self.k = num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.graph_rows = graph_rows  # the largest batch a captured graph replays (None: eager)
+        self.backoff = Backoff()
+
+    def may_guess(self, running, step: int) -> bool:
+        """True when some running sequence may guess on this step number (see Backoff); when
+        none may, the step is stage 11's, launched before the one in flight has landed."""
+        return any(self.backoff.is_open(seq, step) for seq in running)
+
+    def budgets(self, seqs: list[Sequence], step: int) -> tuple[int, ...]:
+        """How many guesses each sequence of a decode plan may take on this step number."""
+        k = self.guesses_per_sequence(len(seqs))
+        return tuple(self.budget(seq, k) if self.backoff.is_open(seq, step) else 0 for seq in seqs)
+
+    def budget(self, seq: Sequence, k: int) -> int:
+        """At most k, and few enough that every kept guess plus the token drawn after them stays
+        within max_tokens and max_model_len."""
+        left = seq.params.max_tokens - seq.num_completion_tokens - 1
+        room = self.max_model_len - len(seq) - 1
+        return max(0, min(k, left, room))
+
+    def guesses_per_sequence(self, num_seqs: int) -> int:
+        """num_speculative_tokens, or fewer where a graph replays the verify step: a batch of
+        B sequences then guesses at most (largest bucket - B) // B each, so its rows still fit
+        the graphs (B = 256 of 512 rows: one guess each). A wide batch gains least from
+        guessing anyway: its step already does much work per weight read."""
+        if self.graph_rows is None:
+            return self.k
+        return max(0, min(self.k, (self.graph_rows - num_seqs) // num_seqs))
+
+    def judged(self, plan, tokens: list[list[int]] | None) -> None:
+        """After a plan with guess budgets ran: a sequence that kept a guess guesses every step
+        again; one that was offered guesses and kept none (or found none) waits longer. tokens
+        None: nobody found a guess, and the step ran as stage 11's."""
+        for i, (seq, budget) in enumerate(zip(plan.seqs, plan.guesses)):
+            if tokens is not None and len(tokens[i]) > 1:
+                self.backoff.hit(seq)
+            elif budget:
+                self.backoff.missed(seq)
