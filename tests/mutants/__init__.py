@@ -120,11 +120,17 @@ def mutated_source(mutant: Mutant) -> str:
 
 
 def api_footer(stage: int, module: str) -> str:
-    """Imports of the stage's API names that `module` does not define, from the reference."""
+    """Imports of the stage's API names that `module` does not define, from the reference; an
+    API name the reference defines under another name (stage 11's OverlapScheduler is the one
+    Scheduler) is bound to it."""
     lines = ["", "", "# ---- the rest of the stage API, from the reference ----"]
     for name, obj in learner_api(stage).items():
+        real = getattr(obj, "__name__", name)
         if obj.__module__ != module:
-            lines.append(f"from {obj.__module__} import {name}  # noqa: E402, F401")
+            alias = "" if real == name else f" as {name}"
+            lines.append(f"from {obj.__module__} import {real}{alias}  # noqa: E402, F401")
+        elif real != name:
+            lines.append(f"{name} = {real}")
     return "\n".join(lines) + "\n"
 
 
