@@ -91,7 +91,7 @@ def test_a_manager_without_blocks_has_no_block_gauges_and_a_missing_one_is_a_com
 
 
 def test_stage12_guesses_are_counted_and_their_rates_shown():
-    from nanoserve.engine.speculation.speculative_base import SpeculationStats
+    from nanoserve.engine.speculation.policy import SpeculationStats
 
     spec = SpeculationStats(
         num_verify_steps=4, num_verified_seqs=10, num_proposed=30, num_accepted=12

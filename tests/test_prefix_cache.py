@@ -12,7 +12,7 @@ from nanoserve.engine.loop.scheduler import Scheduler
 from nanoserve.engine.memory.prefix_block_manager import PrefixBlockManager, chain_hash
 from nanoserve.engine.runner.input_packer import chunk_end, prepare_prefill
 from nanoserve.testing import ENGINE_MAX_MODEL_LEN
-from nanoserve.types import Sequence
+from nanoserve.types import Sequence, StepOutput
 
 from .test_scheduler import SchedulerMachine
 
@@ -25,7 +25,7 @@ def seq_of(token_ids) -> Sequence:
 
 
 def computed(manager, seq, num_tokens=None) -> None:
-    """What the scheduler's postprocess does once a forward pass stored seq's K/V."""
+    """What the scheduler's update does once a forward pass stored seq's K/V."""
     seq.num_cached_tokens = len(seq) if num_tokens is None else num_tokens
     manager.hash_blocks(seq)
 
@@ -243,7 +243,7 @@ class PrefixMachine(SchedulerMachine):
         for i, seq in enumerate(batch.seqs):  # a prefill chunk short of the end samples nothing
             if seq.num_cached_tokens + seq.num_scheduled_tokens < len(seq):
                 token_ids[i] = None
-        self.finished += self.scheduler.postprocess(batch, token_ids, eos_ids=())
+        self.finished += self.scheduler.update(batch, StepOutput.of(token_ids))
 
     @invariant()
     def every_cached_token_sits_in_its_slot(self):

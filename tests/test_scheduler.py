@@ -15,7 +15,7 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.config import EngineConfig
 from nanoserve.engine.loop.scheduler import Scheduler
 from nanoserve.engine.memory.block_manager import BlockManager
-from nanoserve.types import Sequence, SequenceStatus
+from nanoserve.types import Sequence, SequenceStatus, StepOutput
 
 STOP = 7  # a fake "EOS": some requests finish early when this id is sampled
 
@@ -52,7 +52,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert seq.status is SequenceStatus.RUNNING
             assert len(seq.block_table) * 4 >= len(seq)  # room for every token it will store
         token_ids = [self.rng.randrange(10) for _ in batch.seqs]
-        self.finished += self.scheduler.postprocess(batch, token_ids, eos_ids=())
+        self.finished += self.scheduler.update(batch, StepOutput.of(token_ids))
 
     @invariant()
     def bookkeeping_is_consistent(self):
@@ -85,7 +85,7 @@ def test_decode_preempts_the_newest_sequence_when_the_pool_runs_dry():
     scheduler.add(newer)
     batch = scheduler.schedule()
     assert batch.is_prefill and batch.seqs == [older, newer]
-    scheduler.postprocess(batch, [5, 5], eos_ids=())  # both now need a second block
+    scheduler.update(batch, StepOutput.of([5, 5]))  # both now need a second block
     manager.allocate(Sequence([0] * 8, SamplingParams()))  # an outsider takes the last 2 blocks
     batch = scheduler.schedule()
     assert not batch.is_prefill and batch.seqs == [older]  # older got newer's freed block

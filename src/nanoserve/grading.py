@@ -9,6 +9,7 @@ one whose every API name is the reference's own object): running the tests is
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib
 import importlib.util
@@ -109,6 +110,7 @@ def load_impl(
         )
     api = {n: getattr(module, n) for n in names}
     _refuse_the_reference(stage_number, impl, api)
+    _refuse_inherited_tasks(stage_number, impl, api)
     return types.SimpleNamespace(**api)
 
 
@@ -131,6 +133,35 @@ def _refuse_the_reference(stage_number: int, impl: str, api: dict[str, object]) 
         f"reference's own ({homes[name]}.{name}), and so is every other name. Copy "
         f"{stage.starter} and fill it in."
     )
+
+
+def starter_methods(stage_number: int) -> dict[str, list[str]]:
+    """Per class of the stage's starter: the methods it defines (the learner's tasks), read
+    from its syntax tree (importing the starter is not needed)."""
+    tree = ast.parse((repo_root() / get_stage(stage_number).starter).read_text())
+    return {
+        node.name: [f.name for f in node.body if isinstance(f, ast.FunctionDef)]
+        for node in tree.body
+        if isinstance(node, ast.ClassDef)
+    }
+
+
+def _refuse_inherited_tasks(stage_number: int, impl: str, api: dict[str, object]) -> None:
+    """ImplementationError, one line, when a class of the file inherits, from the reference, a
+    method its starter asks the learner to write (stages 11 and 12 subclass the one Scheduler,
+    which holds every stage's answer): it would be graded without being written."""
+    for name, methods in starter_methods(stage_number).items():
+        cls = api.get(name)
+        if not isinstance(cls, type) or reference_module(cls):
+            continue
+        for method in methods:
+            owner = next((c for c in cls.__mro__ if method in vars(c)), None)
+            if owner is not None and reference_module(owner):
+                raise ImplementationError(
+                    f"--impl {impl}: {name}.{method} is inherited from the reference "
+                    f"({owner.__module__}.{owner.__qualname__}); write it in {name} (task of "
+                    f"{get_stage(stage_number).starter})"
+                )
 
 
 def import_impl(impl: str, base: str | os.PathLike | None = None) -> types.ModuleType:

@@ -204,7 +204,7 @@ STAGES: tuple[Stage, ...] = (
         reference_modules=(
             "engine/runner/persistent_batch.py",
             "engine/runner/overlap_runner.py",
-            "engine/loop/overlap_engine.py",
+            "engine/loop/scheduler.py",
             "samplers/device_sampler.py",
             "recipes/overlap.py",
         ),
@@ -221,8 +221,9 @@ STAGES: tuple[Stage, ...] = (
         reference_modules=(
             "engine/speculation/ngram_proposer.py",
             "samplers/rejection.py",
-            "engine/speculation/speculative_engine.py",
-            "engine/speculation/speculative_runner.py",
+            "engine/loop/scheduler.py",
+            "engine/speculation/policy.py",
+            "engine/speculation/draft_proposer.py",
             "samplers/speculative_sampler.py",
             "recipes/speculative.py",
         ),

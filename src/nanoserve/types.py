@@ -130,6 +130,13 @@ class StepOutput(NamedTuple):
     earlier: Landed | None = None  # stage 11: the step before, whose tokens arrived meanwhile
     guesses: list[list[int]] | None = None  # stage 12: the guesses each sequence took
 
+    @classmethod
+    def of(cls, token_ids: list[int | None], inputs: StepInputs | None = None) -> StepOutput:
+        """A synchronous step's output from one token id per sequence of its plan (None: a
+        prefill chunk that sampled nothing)."""
+        sampled = tuple(i for i, token_id in enumerate(token_ids) if token_id is not None)
+        return cls(inputs, sampled, [[] if t is None else [t] for t in token_ids])
+
 
 class HostMetadata(NamedTuple):
     """Host (Python list) copies of metadata fields, for torch code that loops per sequence.

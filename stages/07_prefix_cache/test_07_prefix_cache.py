@@ -23,7 +23,7 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.config import EngineConfig
 from nanoserve.engine.loop.scheduler import Scheduler
 from nanoserve.engine.runner.input_packer import chunk_end, prepare_decode, prepare_prefill
-from nanoserve.types import Sequence
+from nanoserve.types import Sequence, StepOutput
 
 # the seed's prompts: pages of 4 written apart so the block boundaries show
 A = [11, 12, 13, 14, 21, 22, 23, 24, 31, 32, 33]
@@ -96,7 +96,7 @@ class Run:
 
     def compute(self, seq: Sequence, num_tokens: int | None = None) -> None:
         """A forward pass stores K/V for seq's next num_tokens uncomputed tokens (default: all of
-        them); then, as Scheduler.postprocess does, num_cached_tokens counts them and
+        them); then, as Scheduler.update does, num_cached_tokens counts them and
         hash_blocks(seq) runs."""
         start = seq.num_cached_tokens
         end = len(seq) if num_tokens is None else start + num_tokens
@@ -539,7 +539,7 @@ def test_task_4_a_block_handed_out_for_new_content_is_never_served_for_its_old_c
     run.compute(a)
     run.release(a)  # blocks 0, 1, 2 free; A's pages 0 and 1 still findable
     x = run.admit(list(range(90, 99)))  # new content on every block
-    for p in range(9):  # its prefill wrote them, then failed: undone before postprocess
+    for p in range(9):  # its prefill wrote them, then failed: undone before update
         block_id = x.block_table[p // BS]
         run.slots[block_id * BS + p % BS] = tuple(x.token_ids[: p + 1])
     run.release(x)
@@ -687,7 +687,7 @@ def test_task_5_random_traffic_with_chunks_and_preemption_serves_only_true_prefi
         for seq in batch.seqs:
             run_forward(run, seq)
         token_ids = [rng.randrange(50) if chunk_end(s) == len(s) else None for s in batch.seqs]
-        scheduler.postprocess(batch, token_ids, eos_ids=())
+        scheduler.update(batch, StepOutput.of(token_ids))
         run.live = list(scheduler.running)
         run.check()
     assert scheduler.is_finished(), "the traffic did not drain"

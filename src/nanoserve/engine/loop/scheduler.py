@@ -251,9 +251,10 @@ class Scheduler:
                 if reason is not None:
                     break
             if reason is None:
-                seq.num_cached_tokens += len(gained) - 1  # the kept guesses' K/V stays
-                if self.prefix_manager is not None:
-                    self.prefix_manager.hash_blocks(seq)
+                if len(gained) > 1:  # stage 12: the kept guesses' K/V stays
+                    seq.num_cached_tokens += len(gained) - 1
+                    if self.prefix_manager is not None:  # blocks full of kept tokens
+                        self.prefix_manager.hash_blocks(seq)
                 continue
             seq.finish(reason)
             if seq in self.waiting:  # preempted while its last token was in flight

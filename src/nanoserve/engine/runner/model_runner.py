@@ -76,10 +76,7 @@ class ModelRunner:
         if not plan.seqs:
             return StepOutput(None, (), [])
         inputs = self.prepare(plan)
-        token_ids = self.run(plan, inputs)
-        sampled = tuple(i for i, token_id in enumerate(token_ids) if token_id is not None)
-        tokens = [[] if token_id is None else [token_id] for token_id in token_ids]
-        return StepOutput(inputs, sampled, tokens)
+        return StepOutput.of(self.run(plan, inputs), inputs)
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         """The step's device tensors, packed from the batch's host lists."""
