@@ -165,7 +165,7 @@ def test_the_step_that_finishes_the_last_request_on_a_stop_token_leaves_nothing_
         while not finished:
             finished = engine.step()
         assert finished == [seq] and seq.completion_token_ids == want
-        assert not engine.has_unfinished() and engine.in_flight is None, (
+        assert not engine.has_unfinished() and engine.runner.in_flight is None, (
             f"a stop at token {len(want)}: the step after it, all of it discarded, is still in "
             "flight"
         )

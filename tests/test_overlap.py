@@ -43,7 +43,7 @@ def test_stage11_reproduces_stage09_on_tiny_models_in_float64(tiny_checkpoints, 
     llm = LLM(str(folder), stage=11, **SMALL)
     assert greedy_tokens(llm, prompts, 40) == want
     engine = llm.engine
-    assert engine.in_flight is None and not engine.runner.state.rows
+    assert engine.runner.in_flight is None and not engine.runner.state.rows
     assert engine.num_steps > len(prompts), "several waves of max_num_seqs, each overlapped"
 
 

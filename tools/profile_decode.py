@@ -20,6 +20,7 @@ import torch
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine.runner.cuda_graphs import DecodeGraphs, table_width
 from nanoserve.layers.compiled import fuse_small_ops
+from nanoserve.types import StepOutput
 
 
 class Laps:
@@ -50,8 +51,8 @@ def decode_step(engine, laps: Laps) -> int:
     seqs = batch.seqs
     token_ids = runner.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
     t = laps.lap("sample", t)
-    engine.scheduler.postprocess(batch, token_ids, engine.eos_ids)
-    laps.lap("postprocess", t)
+    engine.scheduler.update(batch, StepOutput.of(token_ids, inputs))
+    laps.lap("update", t)
     return len(seqs)
 
 

@@ -88,12 +88,11 @@ def profile(args, stage: int) -> dict:
     stamps.wrap(engine.scheduler, "schedule")
     if hasattr(runner, "launch"):  # stage 11: launch, then wait for the step before
         stamps.wrap(runner, "launch", device_work=True)
-        stamps.wrap(engine.scheduler, "resolve")
-        stamps.wrap(engine.scheduler, "commit")
-    else:  # earlier stages: prepare, run (forward + sample + wait), postprocess
+    else:  # earlier stages: prepare, run (forward + sample + wait)
         stamps.wrap(runner, "prepare")
         stamps.wrap(runner, "run", device_work=True)
-        stamps.wrap(engine.scheduler, "postprocess")
+    stamps.wrap(engine.scheduler, "land")  # the tokens appended, requests finished
+    stamps.wrap(engine.scheduler, "commit")
     starts = []
     for _ in range(args.steps):
         starts.append(stamps.now())

@@ -61,7 +61,7 @@ class PrefixCachingManager(Protocol):
 
     Contract: after a forward pass stored K/V for seq's tokens up to `seq.num_cached_tokens`,
     `hash_blocks(seq)` records a hash for every block that is now full and not yet hashed, so a
-    later `allocate` can share it. The scheduler calls it in `postprocess`, once per sequence.
+    later `allocate` can share it. The scheduler calls it in `update`, once per sequence and step.
     """
 
     def hash_blocks(self, seq: Sequence) -> None: ...

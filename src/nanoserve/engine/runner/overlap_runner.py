@@ -196,9 +196,8 @@ class OverlapRunner(ModelRunner):
         in one forward; the verdict (kept guesses, then a drawn token) comes back at once."""
         seqs = plan.seqs
         rows = self.state.send(seqs)  # the table entries grown for the guesses included
-        num_rows = sum(1 + len(g) for g in guesses)
-        fits = self.graphs is not None and bucket_for(num_rows, self.graphs.buckets) is not None
-        message = verify_rows(seqs, guesses, as_decode=fits)
+        as_decode = self.verify_as_decode(sum(1 + len(g) for g in guesses))
+        message = verify_rows(seqs, guesses, as_decode)
         inputs = self.packer.prepare_rows(message)
         with self.workers.step(message) if self.workers is not None else nullcontext():
             logits = forward_logits(self.model, inputs, self.attention, message.num_seqs,
@@ -214,6 +213,12 @@ class OverlapRunner(ModelRunner):
         self.cut_sent_tables(seqs, [len(seq) + a for seq, a in zip(seqs, accepted)])
         record_logprobs(seqs, logits, packed.cu_rows, gained)
         return StepOutput(inputs, tuple(range(len(seqs))), gained, None, guesses)
+
+    def verify_as_decode(self, num_rows: int) -> bool:
+        """Decode rows when a captured graph can replay that many (no eager launches: what a
+        small model's step is made of); else a chunk per sequence, which reads each context
+        once, not once per row (an eager step, and the CPU's)."""
+        return self.graphs is not None and bucket_for(num_rows, self.graphs.buckets) is not None
 
     def cut_sent_tables(self, seqs: list[Sequence], num_stored: list[int]) -> None:
         """After a verify step each row's next token and length are on the device, and the
