@@ -48,7 +48,7 @@ class LLMEngine:
         self.manager = manager
         self.attention = attention  # which backend runs, and why (shown by --trace and bench)
         policy = None
-        if getattr(runner, "speculator", None) is not None:
+        if getattr(runner, "proposer", None) is not None:
             rows = None if runner.graphs is None else runner.graphs.buckets[-1]
             policy = Speculation(config.num_speculative_tokens, config.max_model_len, rows)
         self.scheduler = scheduler(config, manager, eos_ids, policy)
