@@ -217,8 +217,8 @@ def decoding(impl, prompt_lens, num_blocks=16, manager_cls=BlockManager, k=3, **
     scheduler = impl.SpeculativeScheduler(config, manager, (), speculation)
     released = recorded_releases(scheduler)  # whose rows it let go of (told in the next plan)
     for i, n in enumerate(prompt_lens):
-        seq = Sequence(list(range(20 * i + 1, 20 * i + n + 1)), SamplingParams(
-            **{"max_tokens": 16, "ignore_eos": True, **params}))  # fmt: skip
+        sampling = SamplingParams(**{"max_tokens": 16, "ignore_eos": True, **params})
+        seq = Sequence(list(range(20 * i + 1, 20 * i + n + 1)), sampling)
         manager.allocate(seq)  # as the prefill left it: the prompt stored, a token sampled
         seq.num_cached_tokens = n
         seq.append_token(100 + i)
@@ -443,11 +443,8 @@ def prompts() -> list[list[int]]:
 
 
 def seeded() -> list[SamplingParams]:
-    return [
-        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, seed=5 + i,
-                       ignore_eos=True)  # fmt: skip
-        for i in range(len(prompts()))
-    ]
+    options = dict(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, ignore_eos=True)
+    return [SamplingParams(**options, seed=5 + i) for i in range(len(prompts()))]
 
 
 @pytest.fixture(scope="module")
@@ -555,8 +552,7 @@ def test_task_4_guesses_always_right_give_stage_11s_tokens_in_fewer_steps(
     assert_same_tokens(run(llm, GREEDY), stage_11["plenty"], "guesses always right")
     stats = llm.engine.speculation
     assert stats.num_proposed > 0 and stats.num_accepted == stats.num_proposed, (
-        f"every guess was stage 11's next token: {stats.num_accepted} of {stats.num_proposed} "
-        "kept"
+        f"every guess was stage 11's next token: {stats.num_accepted} of {stats.num_proposed} kept"
     )
     assert stats.num_verify_steps > 0 and stats.tokens_per_step > 2, stats
     assert llm.engine.num_steps <= 12, (
