@@ -18,8 +18,9 @@
 #
 # Stage 12's engine lets the n-gram proposer guess up to k tokens per sequence, checks every
 # guess in one forward pass of the model, keeps the longest run the model agrees with, draws
-# one token of its own after it, and rolls the rest back: the rejected guesses leave the
-# sequence, and the blocks past the kept tokens go back to the pool.
+# one token of its own after it, and rolls the rest back: the guesses were never part of the
+# sequence (only the kept ones are appended), and the blocks reserved past the stored tokens go
+# back to the pool.
 #
 # This notebook runs stage 12 on your CPU with a tiny random model and draws each verify step
 # on the sequences' block tables: which positions were guesses, which were kept, which token the
@@ -54,18 +55,18 @@ from nanoserve.testing import save_tiny_model
 # What runs stage 12: "ref" (the reference in src/nanoserve), "starter" (the stage's
 # starter.py), a path to your own .py file (absolute, or relative to this notebook's folder) or
 # a dotted module name: the same values `pytest --impl` and `nanoserve check` accept. Its
-# propose_ngram, num_accepted, residual and SpeculativeEngine (with your SpeculativeScheduler
-# inside) run the engine.
+# propose_ngram, num_accepted, residual and SpeculativeScheduler (make_room, land,
+# settle_guesses) run inside the engine's one loop.
 IMPL = "ref"
 
 mine = grading.load_impl(12, IMPL)
 components = {
-    "SpeculativeEngine": mine.SpeculativeEngine,
+    "SpeculativeScheduler": mine.SpeculativeScheduler,
     "propose_ngram": mine.propose_ngram,
     "num_accepted": mine.num_accepted,
     "residual": mine.residual,
 }
-print(f"stage 12's lookup, rule and loop from {IMPL!r}")
+print(f"stage 12's lookup, rule and scheduler from {IMPL!r}")
 
 # %% [markdown]
 # ## Three requests, step by step
@@ -76,10 +77,11 @@ print(f"stage 12's lookup, rule and loop from {IMPL!r}")
 # not. A random model soon repeats itself too, and then the guesses start to be right.
 #
 # The engine calls `on_step` once per step with a `StepRecord` (`engine/loop/trace.py`). For a
-# verify step it is called *before* the rollback, with `gained`: per sequence, the kept
-# guesses and the drawn token. At that moment each sequence still holds its guesses (the last
-# `num_draft_tokens` of its `token_ids`) and the blocks grown for them; after `step()` returns,
-# its table is what the rollback left.
+# verify step it is called after the step ran and *before* `update`, with `guesses` (per
+# sequence, what the proposer guessed) and `gained` (the kept guesses and the drawn token). At
+# that moment each sequence holds only its tokens from before the step (a guess is never in
+# `token_ids`) and the blocks `make_room` reserved for its guesses; after `step()` returns, its
+# table is what `settle_guesses` left.
 
 
 # %%
@@ -87,10 +89,10 @@ class SeqStep(NamedTuple):
     """One sequence in one verify step."""
 
     seq_id: int
-    length: int  # L: tokens before the guesses; the newest, at L - 1, is fed with them
+    length: int  # L: tokens before the step; the newest, at L - 1, is fed with the guesses
     guesses: list[int]
     gained: list[int]  # kept guesses, then the token the target drew
-    table_before: list[int]  # grown for the guesses
+    table_before: list[int]  # with the room make_room reserved for the guesses
     table_after: list[int]  # what the rollback left ([] once the sequence finished)
     finished: bool
 
@@ -113,9 +115,8 @@ pending: list[tuple] = []  # the verify step of the current call, before its rol
 def on_step(record) -> None:
     if record.gained is None:  # a prefill, or a decode step nobody guessed for
         return
-    for seq, gained in zip(record.batch.seqs, record.gained):
-        n = seq.num_draft_tokens
-        pending.append((seq, len(seq) - n, seq.token_ids[len(seq) - n :], gained, seq.block_table))
+    for seq, guessed, gained in zip(record.batch.seqs, record.guesses, record.gained):
+        pending.append((seq, len(seq), list(guessed), gained, list(seq.block_table)))
 
 
 engine.on_step = on_step
@@ -123,8 +124,10 @@ steps: list[tuple[int, list[SeqStep]]] = []  # (engine step, its sequences), ver
 kinds = []
 while engine.has_unfinished():
     pending.clear()
-    engine.step()
-    kinds.append("verify" if pending else "plain")
+    num_steps = engine.num_steps
+    engine.step()  # a call may only land the step in flight (an empty plan: no step counted)
+    if engine.num_steps > num_steps:
+        kinds.append("verify" if pending else "plain")
     if pending:
         steps.append(
             (
@@ -137,6 +140,7 @@ while engine.has_unfinished():
         )
 stats = engine.speculation
 print(f"{engine.num_steps} steps: {kinds.count('verify')} verify, {kinds.count('plain')} plain")
+assert len(kinds) == engine.num_steps
 print(
     f"{stats.num_proposed} guesses, {stats.num_accepted} kept: acceptance "
     f"{stats.acceptance_rate:.2f}, {stats.tokens_per_step:.2f} tokens per verified sequence-step"
@@ -166,11 +170,12 @@ print(f"greedy tokens identical to stage 11's; stage 11 took {llm_11.engine.num_
 # - **fed** (upper row): what the verify step computed, the newest token `t` and the guesses,
 #   green where the target kept the guess and vermillion where it rejected it (every guess
 #   after the first rejection is thrown away, right or not);
-# - **after** (lower row): the sequence after `accept`: its stored tokens (grey), the kept
+# - **after** (lower row): the sequence after `update`: its stored tokens (grey), the kept
 #   guesses (green) and the token the target drew (blue), the one the next step feeds.
 #
-# A block the rollback gave back is hatched. Numbers in the cells are token ids. (The drawing
-# code, plain matplotlib, is in the next cell of the notebook; the docs site hides it.)
+# A block reserved for the guesses and given back by `settle_guesses` is hatched. Numbers in
+# the cells are token ids. (The drawing code, plain matplotlib, is in the next cell of the
+# notebook; the docs site hides it.)
 
 # %% tags=["hide-input"]
 # Okabe-Ito colours, distinguishable with the common colour-vision deficiencies.

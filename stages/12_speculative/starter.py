@@ -1,40 +1,48 @@
 """Stage 12 starter: speculative decoding. Guess a few tokens cheaply, let the target check them
-all in one forward, keep the run it agrees with, and roll the rest back.
+all in one forward, keep the run it agrees with, and give back the room of the rest.
 
 Fill in each body (the lesson, stages/12_speculative/README.md, walks through them in task order)
 in a copy: `cp stages/12_speculative/starter.py my_speculative.py`, then grade it with
 `pytest stages/12_speculative --impl my_speculative.py`; this file itself must keep failing.
 Every task runs on a CPU.
 
-    one speculative step, block_size 4, a sequence of 7 tokens (its newest, t, not yet cached):
+    one turn of the loop that guesses, block_size 4, a sequence of 7 tokens (its newest, t, not
+    yet cached), table [5, 2]:
 
-      propose   tokens  a b c d | e f t 9 | 8 2        guesses 9 8 2 appended, table [5, 2, 7]
-      verify    one forward over [t 9 8 2] at positions 6..9: the target's verdict per guess
-      accept    kept 9, rejected 8, drew 4:  a b c d | e f t 9 | 4     table [5, 2, 7]
-                num_cached_tokens 8 (K/V of t and 9 stays), block 7 holds only the drawn 4's
-                slot: truncate to the 8 stored tokens gives it back -> table [5, 2]
+      schedule  a decode plan: t scheduled, budget 3 -> make_room(seq, 3)
+                reserve(seq, 7 + 3) grows the table to [5, 2, 7]; 3 guesses have room
+      execute   the proposer guesses [9, 8, 2], beside token_ids (never appended to them);
+                verify: one forward over [t 9 8 2] at positions 6..9, the target's verdict
+      update    commit: num_cached_tokens 6 -> 7 (t's K/V)
+                land: gained [9, 4] (kept 9, rejected 8, drew 4)
+                      tokens  a b c d | e f t 9 | 4     num_cached_tokens 8 (9's K/V stays)
+                settle_guesses: the back-off hears that 9 was kept; the table keeps the 8
+                      stored tokens: truncate(seq, 8) gives block 7 back -> table [5, 2]
 """
 
 from __future__ import annotations
 
 import torch
 
-from nanoserve.engine.loop.scheduler import finish_reason  # noqa: F401  (given; use it in task 3)
-from nanoserve.engine.speculation.speculative_base import (
-    SpeculativeEngineBase,
-    SpeculativeSchedulerBase,
+from nanoserve.engine.loop.scheduler import Scheduler, finish_reason  # noqa: F401  (task 3)
+from nanoserve.types import (  # noqa: F401  (task 3)
+    Landed,
+    ScheduledBatch,
+    Sequence,
+    SequenceStatus,
+    StepOutput,
 )
-from nanoserve.types import ScheduledBatch, Sequence, SequenceStatus  # noqa: F401  (task 3)
 
-# Given (nanoserve/engine/speculation/speculative_base.py and speculative_runner.py,
-# nanoserve/samplers/speculative_sampler.py):
-# the scheduler's `budget(seq, k)` (how many guesses seq may take) and `discard_proposals`; the
-# engine's `propose(batch)`, which offers each decode sequence its guesses through your
-# `add_proposal` and returns the draft's distributions (None for n-gram guesses), and
-# `verify(batch, draft_probs, num_preempted_before)`, which runs the target over every guess in
-# one forward, judges them with your `num_accepted` and `residual`, counts the speculation stats
-# and returns a `Verified` whose `token_ids[i]` is what batch.seqs[i] gains (its kept guesses,
-# then one drawn token). Stage 11's `_launch_batch`, `commit` and `resolve` run a plain step.
+# Given (nanoserve/engine/loop/scheduler.py, engine/speculation/, engine/runner/overlap_runner.py,
+# samplers/speculative_sampler.py): the one loop, plan = scheduler.schedule(), out =
+# runner.execute(plan), finished = scheduler.update(plan, out). `schedule` asks the speculation
+# policy (`self.speculation`) for each decode sequence's budget and calls your `make_room`; the
+# runner's proposer guesses within the room you found, and its verify step judges the guesses
+# with your `num_accepted` and `residual` in one forward; `update` commits the step (stage 11's
+# `commit`: the newest token's K/V is stored), calls your `land` with what each sequence gained
+# (its kept guesses, then one drawn token) and then your `settle_guesses`. Also given:
+# `self.room.reserve(seq, num_tokens)` / `self.give_back(seq, num_tokens)` (the block manager's
+# reserve and truncate), `self.release(seq)` and `self.prefix_manager` (None without one).
 
 
 # ---- task 1: the n-gram lookup ----
@@ -89,66 +97,51 @@ def residual(target: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
     raise NotImplementedError("task 2: residual")
 
 
-# ---- task 3: guesses in, rollback out ----
+# ---- task 3: room before the verify step, the verdict after it ----
 
 
-class SpeculativeScheduler(SpeculativeSchedulerBase):
-    """Stage 11's scheduler (given: schedule, preempt, commit, resolve, budget, and
-    `self.release(seq)`, which frees seq's row: the next plan tells the runner) plus tentative
-    tokens."""
+class SpeculativeScheduler(Scheduler):
+    """The one scheduler (given: schedule, commit, preempt, free, give_back, release) with your
+    three pieces of a guess: the room it takes, the tokens it gains, the room it gives back."""
 
-    def add_proposal(self, seq: Sequence, token_id: int) -> bool:
-        """Append one guess to seq, which the verify step will compute: it grows seq's token_ids,
-        its `num_draft_tokens` and its `num_scheduled_tokens` by one, and its blocks to cover it
-        (`self.manager.may_append(seq)`). Only if `self.manager.can_append(seq)`: a guess never
-        preempts anyone. Returns False, with nothing changed, when there is no room.
+    def make_room(self, seq: Sequence, budget: int) -> int:
+        """Grow seq's blocks for up to `budget` guesses past its tokens, with free blocks only,
+        and return how many guesses have room (0 .. budget).
+
+        Called by `schedule` for each decode sequence with a budget, after every sequence of the
+        plan has its block for its own newest token. A guess never preempts anyone: ask the block
+        manager to reserve, `self.room.reserve(seq, num_tokens)`, which grows seq's table toward
+        num_tokens tokens with free blocks only and returns how many tokens it has room for.
+
+            len 7, block_size 4, table [5, 2], 1 free block: budget 3 -> table [5, 2, 7], 3
+            the same with no free block: budget 3 -> table [5, 2], 1 (position 7 fits block 2)
         """
-        raise NotImplementedError("task 3: SpeculativeScheduler.add_proposal")
+        raise NotImplementedError("task 3: SpeculativeScheduler.make_room")
 
-    def accept(self, batch: ScheduledBatch, token_ids: list[list[int]], eos_ids) -> list[Sequence]:
-        """The verify step's outcome: token_ids[i] is what batch.seqs[i] gains (its kept guesses,
-        then a drawn token). For each sequence: drop all its guesses (the last num_draft_tokens
-        of token_ids; reset num_draft_tokens and num_scheduled_tokens to 0), then append the
-        gained tokens one by one, stopping at the first that finishes it (`finish_reason`, as in
-        stage 11's resolve). Every token but the newest now has K/V stored: num_cached_tokens is
-        len(seq) - 1.
+    def land(self, landed: Landed) -> list[Sequence]:
+        """A step's tokens arrived: stage 11's land, where a sequence may gain several tokens.
 
-        A finished sequence is FINISHED with its reason, its memory deallocated, out of
-        `self.running` and its row released. Any other gives back the blocks past its stored
-        K/V (`self.manager.truncate(seq, num_tokens)`) and, with a prefix-caching manager
-        (`self.prefix_manager`, None without one), has its newly full blocks hashed: only
-        blocks of kept tokens, never one that held a rejected guess. Returns the sequences that
-        finished, in batch order.
+        landed.tokens[i] is what landed.plan.seqs[i] gained: [] for a prefill chunk that samples
+        nothing, [t] after a plain step, its kept guesses then the drawn token after a verify
+        step. Skip a sequence that gained nothing or is finished already (the step after its
+        end). Otherwise it no longer owes the host a token (`num_pending -= 1`); append the
+        gained tokens one by one, stopping at the first that finishes it (`finish_reason`). If
+        none does, the kept guesses' K/V (stored by the verify step) counts as stored too:
+        num_cached_tokens grows by len(gained) - 1 (the drawn token's K/V is the next step's),
+        and a prefix-caching manager (`self.prefix_manager`) hashes the blocks that filled.
+
+        A finished sequence is finished with its reason (`seq.finish`); if it was preempted
+        while its token was in flight it leaves `self.waiting`, else its memory is deallocated
+        (`self.manager.deallocate`), it leaves `self.running` and its row is released
+        (`self.release`). Returns the sequences that finished, in batch order.
         """
-        raise NotImplementedError("task 3: SpeculativeScheduler.accept")
+        raise NotImplementedError("task 3: SpeculativeScheduler.land")
 
-
-# ---- task 4: the loop ----
-
-
-class SpeculativeEngine(SpeculativeEngineBase):
-    """The engine loop: stage 11's overlapped step while nobody may guess, else one step resolved
-    before the next is scheduled (the next guesses need this step's tokens). Given: `may_guess`,
-    `drain`, `propose`, `verify`, `_launch_batch`, abort, has_unfinished."""
-
-    Scheduler = SpeculativeScheduler
-    scheduler: SpeculativeScheduler
-
-    def step(self) -> list[Sequence]:
-        """Run one step; return the sequences that finished.
-
-        While `self.may_guess()` is False (every running sequence is backing off), run stage 11's
-        step: `return super().step()`. Otherwise resolve the step in flight first (`finished =
-        self.drain()`), and return what it finished with this step's. Note
-        `self.scheduler.num_preemptions` before scheduling (the trace counts the step's
-        preemptions), then `self.scheduler.schedule()`. An empty batch returns what the drain
-        finished (it may have finished the last requests); if the drain finished nothing and
-        requests still wait or run (`self.scheduler.is_finished()` is False), nothing could
-        ever run them: raise RuntimeError. A decode batch gets its guesses
-        (`self.propose(batch)`); if any sequence took one, verify the batch (`self.verify(...)`:
-        it also counts the stats) and accept what it gained. Anything else (a prefill, or a
-        decode where nobody guessed) runs as a stage 11 step that is resolved at once:
-        `launched = self._launch_batch(...)`, commit it, then resolve it with
-        `launched.token_ids()`.
+    def settle_guesses(self, plan: ScheduledBatch, out: StepOutput) -> None:
+        """After a plan with guess budgets (plan.guesses[i] for plan.seqs[i]) was updated: the
+        back-off learns what was kept (`self.speculation.judged(plan, out.tokens)`), and each
+        sequence that had a budget and is still RUNNING gives back the blocks past its stored
+        K/V (`self.give_back(seq, seq.num_cached_tokens)`): the room of rejected guesses and
+        the room nobody used. A finished sequence holds nothing to give back.
         """
-        raise NotImplementedError("task 4: SpeculativeEngine.step")
+        raise NotImplementedError("task 3: SpeculativeScheduler.settle_guesses")

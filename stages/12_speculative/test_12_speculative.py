@@ -1,18 +1,17 @@
-"""Stage 12's graded contract: your n-gram lookup, rejection rule and speculative loop.
+"""Stage 12's graded contract: your n-gram lookup, rejection rule and a guess's bookkeeping.
 
 Run against any implementation with `pytest stages/12_speculative --impl ref|starter|yours.py`.
 Task 1 calls your `propose_ngram` on hand-made token lists. Task 2 calls your `num_accepted` and
 `residual` on hand-made probabilities, then draws many tokens through them and demands the
-target's distribution (chi-square). Task 3 drives your `SpeculativeScheduler` with hand-made
-guesses and verdicts (no model): what each sequence holds, caches and frees after `add_proposal`
-and `accept`. Task 4 runs the engine (`LLM(stage=12, components=...)`) with your loop and rule
-on a tiny float64 Llama, with guesses that are always right and always wrong, and demands stage
-11's greedy tokens; its last test does the same on a GPU (it skips without one).
+target's distribution (chi-square). Task 3 drives your `SpeculativeScheduler` through the loop's
+own calls (`schedule`, then `update` with a hand-made step output; no model): the room a plan's
+guesses take, what each sequence holds, stores, finishes and gives back after the verdict, and
+what the back-off learns. Task 4 runs the engine (`LLM(stage=12, components=...)`) with all your
+pieces on a tiny float64 Llama, with guesses that are always right and always wrong, and demands
+stage 11's tokens; its last test does the same on a GPU (it skips without one).
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import pytest
 import torch
@@ -21,11 +20,16 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.config import EngineConfig
 from nanoserve.engine.memory.block_manager import BlockManager
 from nanoserve.engine.memory.prefix_block_manager import PrefixBlockManager
+from nanoserve.engine.speculation.policy import Speculation
 from nanoserve.testing import recorded_releases
-from nanoserve.types import ScheduledBatch, Sequence, SequenceStatus
+from nanoserve.types import Landed, ScheduledBatch, Sequence, SequenceStatus, StepOutput
 
-API = ("propose_ngram", "num_accepted", "residual", "SpeculativeScheduler", "SpeculativeEngine")
+API = ("propose_ngram", "num_accepted", "residual", "SpeculativeScheduler")
 BLOCK_SIZE = 4
+
+
+def blocks_for(num_tokens: int) -> int:
+    return -(-num_tokens // BLOCK_SIZE)
 
 
 # ---- task 1: the n-gram lookup ----
@@ -199,177 +203,168 @@ def test_task_2_guess_accept_and_resample_reproduce_the_targets_distribution(imp
     )
 
 
-# ---- task 3: guesses in, rollback out ----
+# ---- task 3: room before the verify step, the verdict after it ----
 
 
-class Step(NamedTuple):
-    """A launched plain step as the scheduler sees it: its batch and who samples."""
-
-    batch: ScheduledBatch
-    inputs: None
-    sampled: list[int]
-
-
-def decoding(impl, prompt_lens, num_blocks=16, manager_cls=BlockManager, **params):
-    """A scheduler whose sequences (request i: prompt 20i+1 .. 20i+n, then a token 100+i sampled)
-    are scheduled to decode: len = prompt + 1, the newest token not cached, room for it."""
+def decoding(impl, prompt_lens, num_blocks=16, manager_cls=BlockManager, k=3, **params):
+    """A scheduler with a speculation policy (k guesses) whose sequences (request i: prompt
+    20i+1 .. 20i+n, prefilled, then a token 100+i sampled) are planned to decode: returns the
+    scheduler, the manager, the plan `schedule()` made (budgets and room: your make_room) and
+    the sequences it released from then on."""
     config = EngineConfig(max_model_len=64, max_num_seqs=4, block_size=BLOCK_SIZE)
     manager = manager_cls(num_blocks, BLOCK_SIZE)
-    scheduler = impl.SpeculativeScheduler(config, manager)
+    speculation = Speculation(k, config.max_model_len, graph_rows=None)
+    scheduler = impl.SpeculativeScheduler(config, manager, (), speculation)
     released = recorded_releases(scheduler)  # whose rows it let go of (told in the next plan)
-    seqs = [
-        Sequence(
-            list(range(20 * i + 1, 20 * i + n + 1)), SamplingParams(**{"max_tokens": 16, **params})
-        )
-        for i, n in enumerate(prompt_lens)
-    ]
-    for seq in seqs:
-        scheduler.add(seq)
-    prefill = Step(scheduler.schedule(), None, list(range(len(seqs))))
-    scheduler.commit(prefill)
-    scheduler.resolve(prefill, [100 + i for i in range(len(seqs))], eos_ids=set())
-    batch = scheduler.schedule()
-    assert not batch.is_prefill and batch.seqs == seqs
-    return scheduler, manager, batch, released
+    for i, n in enumerate(prompt_lens):
+        sampling = SamplingParams(**{"max_tokens": 16, "ignore_eos": True, **params})
+        seq = Sequence(list(range(20 * i + 1, 20 * i + n + 1)), sampling)
+        manager.allocate(seq)  # as the prefill left it: the prompt stored, a token sampled
+        seq.num_cached_tokens = n
+        seq.append_token(100 + i)
+        seq.status = SequenceStatus.RUNNING
+        scheduler.running.append(seq)
+    plan = scheduler.schedule()
+    assert not plan.is_prefill and len(plan.seqs) == len(prompt_lens), plan
+    return scheduler, manager, plan, released
 
 
-def guess(seq: Sequence, manager, token_ids: list[int]) -> None:
-    """Guesses appended as add_proposal appends them (task 3's accept tests need no add_proposal
-    of yours)."""
-    for token_id in token_ids:
-        seq.append_token(token_id)
-        seq.num_draft_tokens += 1
-        seq.num_scheduled_tokens += 1
-        manager.may_append(seq)
+def verdict(scheduler, plan, gained: list[list[int]]) -> list[Sequence]:
+    """The verify step's output as the runner hands it over (each sequence guessed as much as
+    its room allows; what it gained: its kept guesses, then the drawn token), applied by the
+    loop's `update`; returns the sequences that finished."""
+    guesses = [[0] * n for n in plan.guesses]
+    out = StepOutput(None, tuple(range(len(plan.seqs))), gained, None, guesses)
+    return scheduler.update(plan, out)
 
 
-def assert_rolled_back(seq: Sequence, manager, want_tokens: list[int]) -> None:
+def assert_settled(seq: Sequence, manager, want_tokens: list[int]) -> None:
     """seq holds want_tokens, K/V of all but the newest, and no block past that K/V."""
     __tracebackhide__ = True
     assert seq.token_ids == want_tokens, (
-        f"request {seq.seq_id} holds tokens {seq.token_ids}; expected {want_tokens} (every guess "
-        "dropped, then the kept ones and the drawn token appended)"
+        f"request {seq.seq_id} holds tokens {seq.token_ids}; expected {want_tokens} (what it "
+        "held, then its kept guesses and the drawn token)"
     )
-    assert (seq.num_draft_tokens, seq.num_scheduled_tokens) == (0, 0), (
-        f"request {seq.seq_id}: num_draft_tokens {seq.num_draft_tokens}, num_scheduled_tokens "
-        f"{seq.num_scheduled_tokens} after accept; expected 0 and 0"
+    assert (seq.num_pending, seq.num_scheduled_tokens) == (0, 0), (
+        f"request {seq.seq_id}: num_pending {seq.num_pending}, num_scheduled_tokens "
+        f"{seq.num_scheduled_tokens} after its tokens landed; expected 0 and 0"
     )
     assert seq.num_cached_tokens == len(want_tokens) - 1, (
         f"request {seq.seq_id} of {len(want_tokens)} tokens: num_cached_tokens is "
-        f"{seq.num_cached_tokens}; expected {len(want_tokens) - 1} (all but the drawn token)"
+        f"{seq.num_cached_tokens}; expected {len(want_tokens) - 1} (the verify step stored the "
+        "K/V of the newest token and of every kept guess; the drawn token's is the next step's)"
     )
-    want_blocks = -(-seq.num_cached_tokens // BLOCK_SIZE)
+    want_blocks = blocks_for(seq.num_cached_tokens)
     assert len(seq.block_table) == want_blocks, (
         f"request {seq.seq_id} holds blocks {seq.block_table} for {seq.num_cached_tokens} stored "
-        f"tokens; expected {want_blocks} (the blocks past them given back: manager.truncate)"
+        f"tokens; expected {want_blocks}: the blocks past the stored K/V go back "
+        "(give_back(seq, seq.num_cached_tokens))"
     )
     manager.check_invariants()
 
 
-def test_task_3_add_proposal_appends_a_guess_and_grows_the_table_at_a_boundary(impl):
-    scheduler, manager, batch, _ = decoding(impl, [6])
-    (seq,) = batch.seqs
-    table, free = list(seq.block_table), manager.num_free_blocks
-    assert scheduler.add_proposal(seq, 50) is True, "room in the last block: add_proposal False"
-    assert seq.token_ids[-2:] == [100, 50] and len(seq) == 8, f"tokens {seq.token_ids}"
-    assert (seq.num_draft_tokens, seq.num_scheduled_tokens) == (1, 2), (
-        f"one guess: num_draft_tokens {seq.num_draft_tokens}, num_scheduled_tokens "
-        f"{seq.num_scheduled_tokens}; expected 1, and 2 (the newest token and the guess)"
+def test_task_3_make_room_reserves_a_block_for_each_guess_that_needs_one(impl):
+    scheduler, manager, plan, _ = decoding(impl, [5, 3])
+    a, b = plan.seqs  # a: 6 tokens, the newest at position 5; b: 4 tokens, the newest at 3
+    assert plan.guesses == (3, 3), (
+        f"16 blocks, budgets of 3: each sequence has room for its 3 guesses; the plan says "
+        f"{plan.guesses}"
     )
-    assert seq.block_table == table, "position 7 fits block 1: no block was needed"
-    assert scheduler.add_proposal(seq, 51) is True
-    assert seq.block_table[:2] == table and len(seq.block_table) == 3, (
-        f"position 8 starts block 2: request {seq.seq_id}'s table {seq.block_table} did not grow"
+    for seq in (a, b):
+        room = len(seq.block_table) * BLOCK_SIZE
+        assert room >= len(seq) + 3, (
+            f"request {seq.seq_id} of {len(seq)} tokens guesses 3, at positions {len(seq)} to "
+            f"{len(seq) + 2}, yet its blocks {seq.block_table} hold {room} tokens"
+        )
+    assert (len(a.block_table), len(b.block_table)) == (3, 2), (
+        f"tables {a.block_table} and {b.block_table}: 9 and 7 tokens need 3 and 2 blocks; "
+        "reserve no more than the guesses need"
     )
-    assert manager.num_free_blocks == free - 1 and seq.num_draft_tokens == 2
+    assert manager.num_free_blocks == 11 and scheduler.num_preemptions == 0
     manager.check_invariants()
 
 
-def test_task_3_add_proposal_without_room_returns_false_and_changes_nothing(impl):
-    scheduler, manager, batch, _ = decoding(impl, [7, 2], num_blocks=3)
-    full, other = batch.seqs  # full: 8 tokens in 2 full blocks; other: 3 tokens in 1 block
-    before = (list(full.token_ids), list(full.block_table), full.num_scheduled_tokens)
+def test_task_3_make_room_takes_free_blocks_only_and_never_preempts(impl):
+    scheduler, manager, plan, _ = decoding(impl, [7, 2], num_blocks=3)
+    full, other = plan.seqs  # full: 8 tokens in 2 full blocks; other: 3 tokens in 1 block
     assert manager.num_free_blocks == 0
-    got = scheduler.add_proposal(full, 9)
-    assert got is False, f"a guess at position 8 needs a block and none is free: got {got}"
-    after = (full.token_ids, full.block_table, full.num_scheduled_tokens)
-    assert after == before and full.num_draft_tokens == 0, (
-        f"a refused guess changed request {full.seq_id}: (tokens, blocks, scheduled) {before} "
-        f"became {after}"
+    assert plan.guesses == (0, 1), (
+        f"no block is free: request {full.seq_id}'s blocks are full (no guess fits), request "
+        f"{other.seq_id}'s block has one free slot (one guess fits); the plan says {plan.guesses}"
     )
-    assert other.status is SequenceStatus.RUNNING and scheduler.num_preemptions == 0, (
+    assert scheduler.num_preemptions == 0 and other.status is SequenceStatus.RUNNING, (
         f"request {other.seq_id} was preempted to make room for a guess: a guess never preempts"
     )
-    assert list(scheduler.running) == [full, other]
+    assert list(scheduler.running) == [full, other] and not scheduler.waiting
+    assert (full.block_table, other.block_table) == ([0, 1], [2]), "no table may change"
     manager.check_invariants()
 
 
-def test_task_3_accept_keeps_the_kept_guesses_and_the_drawn_token(impl):
-    scheduler, manager, batch, _ = decoding(impl, [6, 3])
-    a, b = batch.seqs
-    free = manager.num_free_blocks
-    guess(a, manager, [50, 51, 52])  # len 10: block 2 pulled for positions 8 and 9
-    guess(b, manager, [60, 61])  # len 6: block 1 pulled for positions 4 and 5
-    assert manager.num_free_blocks == free - 2
-    a_prefix, b_prefix = a.token_ids[:7], b.token_ids[:4]
-    finished = scheduler.accept(batch, [[50, 77], [60, 61, 62]], eos_ids=set())
-    assert finished == [], f"nobody finished; accept returned {finished}"
-    assert_rolled_back(a, manager, [*a_prefix, 50, 77])  # 8 stored: block 2 given back
-    assert_rolled_back(b, manager, [*b_prefix, 60, 61, 62])  # both kept, a bonus token drawn
-    assert manager.num_free_blocks == free - 1, (
-        f"{manager.num_free_blocks} blocks free after accept; expected {free - 1}: request "
-        f"{a.seq_id}'s block for rejected guesses comes back, request {b.seq_id} keeps its new one"
+def test_task_3_the_verdict_appends_kept_guesses_then_the_drawn_token(impl):
+    scheduler, manager, plan, _ = decoding(impl, [5, 3])
+    a, b = plan.seqs
+    a_tokens, b_tokens = list(a.token_ids), list(b.token_ids)
+    finished = verdict(scheduler, plan, [[50, 51, 77], [60, 61, 62, 63]])
+    assert finished == [], f"nobody finished; update returned {finished}"
+    assert_settled(a, manager, [*a_tokens, 50, 51, 77])  # 8 stored: block 2 goes back
+    assert_settled(b, manager, [*b_tokens, 60, 61, 62, 63])  # all 3 kept, a bonus drawn
+    assert manager.num_free_blocks == 16 - 2 - 2, (
+        f"{manager.num_free_blocks} blocks free after the verdict; expected 12: request "
+        f"{a.seq_id}'s third block holds no stored K/V and goes back, request {b.seq_id} keeps "
+        "its second (its 7 stored tokens reach into it)"
     )
 
 
 def test_task_3_a_rejected_first_guess_leaves_only_the_drawn_token(impl):
-    scheduler, manager, batch, _ = decoding(impl, [7])
-    (seq,) = batch.seqs
-    prefix, free = list(seq.token_ids), manager.num_free_blocks
-    guess(seq, manager, [50, 51])
-    scheduler.accept(batch, [[33]], eos_ids=set())
-    assert_rolled_back(seq, manager, [*prefix, 33])
-    assert manager.num_free_blocks == free, "the block pulled for the guesses was not given back"
+    scheduler, manager, plan, _ = decoding(impl, [6])
+    (seq,) = plan.seqs
+    tokens = list(seq.token_ids)
+    assert len(seq.block_table) == 3, "7 tokens and 3 guesses: 10 positions, 3 blocks"
+    verdict(scheduler, plan, [[33]])
+    assert_settled(seq, manager, [*tokens, 33])
+    assert manager.num_free_blocks == 14, "the block reserved for the guesses was not given back"
 
 
 def test_task_3_a_stop_token_inside_the_kept_run_ends_the_sequence_there(impl):
-    scheduler, manager, batch, released = decoding(impl, [6, 3])
-    a, b = batch.seqs
-    guess(a, manager, [50, 2, 52])
-    prefix = a.token_ids[:7]
-    finished = scheduler.accept(batch, [[50, 2, 52, 77], [9]], eos_ids={2})
-    assert a.token_ids == [*prefix, 50, 2], (
+    scheduler, manager, plan, released = decoding(impl, [5, 3], ignore_eos=False)
+    a, b = plan.seqs
+    scheduler.eos_ids = frozenset({2})
+    a_tokens = list(a.token_ids)
+    finished = verdict(scheduler, plan, [[50, 2, 52, 77], [9]])
+    assert a.token_ids == [*a_tokens, 50, 2], (
         f"request {a.seq_id} gained 50 2 52 77 with EOS 2: it ends at the 2, yet holds "
         f"{a.token_ids}"
     )
     assert finished == [a] and a.finish_reason == "stop" and a.is_finished, (
-        f"accept returned {finished}, request {a.seq_id} finish_reason {a.finish_reason!r}"
+        f"update returned {finished}, request {a.seq_id} finish_reason {a.finish_reason!r}"
+    )
+    assert a.num_cached_tokens <= len(a), (
+        f"request {a.seq_id} holds {len(a)} tokens but counts {a.num_cached_tokens} as stored: "
+        "tokens past its end are never its own"
     )
     assert a not in scheduler.running and released == [a], "a finished request frees its row"
     assert a.seq_id not in manager.tables, f"request {a.seq_id} finished but holds blocks"
+    assert_settled(b, manager, [*b.token_ids[:4], 9])
     assert manager.num_free_blocks == 16 - len(b.block_table), "the finished request's blocks"
-    manager.check_invariants()
 
 
 def test_task_3_max_tokens_inside_the_kept_run_ends_the_sequence_there(impl):
-    scheduler, manager, batch, released = decoding(impl, [5], max_tokens=3, ignore_eos=True)
-    (seq,) = batch.seqs  # one completion token so far
-    guess(seq, manager, [50, 51, 52])
-    finished = scheduler.accept(batch, [[50, 51, 52, 77]], eos_ids=set())
-    assert seq.completion_token_ids == [100, 50, 51], (
-        f"max_tokens 3: request {seq.seq_id} must end after 100 50 51; its completion is "
-        f"{seq.completion_token_ids}"
+    scheduler, manager, plan, released = decoding(impl, [5], max_tokens=4)
+    (seq,) = plan.seqs  # one completion token so far: budget 2 (a kept run + a drawn token)
+    assert plan.guesses == (2,), plan.guesses
+    finished = verdict(scheduler, plan, [[50, 51, 77]])
+    assert seq.completion_token_ids == [100, 50, 51, 77], seq.completion_token_ids
+    assert finished == [seq] and seq.finish_reason == "length" and released == [seq], (
+        f"max_tokens 4: request {seq.seq_id} ends with its 4th token; update returned "
+        f"{finished}, finish_reason {seq.finish_reason!r}"
     )
-    assert finished == [seq] and seq.finish_reason == "length" and released == [seq]
     assert manager.num_free_blocks == 16, "the finished request's blocks were not freed"
 
 
-def test_task_3_the_prefix_cache_never_hashes_a_block_holding_a_rejected_guess(impl):
-    scheduler, manager, batch, _ = decoding(impl, [6, 6], manager_cls=PrefixBlockManager)
-    a, b = batch.seqs
-    guess(a, manager, [50, 51, 52])  # block 1 = positions 4..7: 5 6 100 50
-    guess(b, manager, [50, 51, 52])
-    scheduler.accept(batch, [[40], [50, 41]], eos_ids=set())  # a rejects 50, b keeps it
+def test_task_3_blocks_full_of_kept_tokens_are_shareable_at_once(impl):
+    scheduler, manager, plan, _ = decoding(impl, [6, 6], manager_cls=PrefixBlockManager)
+    a, b = plan.seqs  # block 1 of each = positions 4..7: two prompt tokens, 100 + i, a guess
+    verdict(scheduler, plan, [[40], [50, 41]])  # a rejects its first guess, b keeps it
     for seq in (a, b):
         for i, block_id in enumerate(seq.block_table):
             entry = manager.cached.get(block_id)
@@ -385,13 +380,58 @@ def test_task_3_the_prefix_cache_never_hashes_a_block_holding_a_rejected_guess(i
             )
     hits = manager.cached_prefix(Sequence([*b.token_ids[:8], 1], SamplingParams()))
     assert hits == b.block_table[:2], (
-        f"request {b.seq_id} kept its guess 50: its full blocks {b.block_table[:2]} are "
-        f"shareable, yet a new request with the same 8 tokens finds {hits}"
+        f"request {b.seq_id} kept its guess 50: its 8 stored tokens fill blocks "
+        f"{b.block_table[:2]}, shareable as soon as the verdict lands, yet a new request with "
+        f"the same 8 tokens finds {hits} (hash the blocks that filled)"
     )
     manager.check_invariants()
 
 
-# ---- task 4: the loop, inside the engine ----
+def test_task_3_the_back_off_learns_who_kept_a_guess(impl):
+    scheduler, _, plan, _ = decoding(impl, [5, 3])
+    a, b = plan.seqs
+    verdict(scheduler, plan, [[50, 77], [60]])  # a kept a guess, b kept none
+    backoff = scheduler.speculation.backoff
+    step = scheduler.num_plans + 1
+    assert all(backoff.is_open(a, s) for s in (step, step + 1)), (
+        f"request {a.seq_id} kept a guess: it may guess at every step (self.speculation.judged)"
+    )
+    assert not all(backoff.is_open(b, s) for s in (step, step + 1)), (
+        f"request {b.seq_id} kept none of its guesses: it backs off, and may not guess at both "
+        "of the next two steps (self.speculation.judged)"
+    )
+
+
+def test_task_3_a_finished_sequence_gains_nothing_more(impl):
+    scheduler, _, plan, _ = decoding(impl, [5])
+    (seq,) = plan.seqs
+    scheduler.abort(seq)  # it ended while its step ran
+    tokens = list(seq.token_ids)
+    finished = scheduler.land(Landed(plan, [[50, 77]]))
+    assert finished == [] and seq.token_ids == tokens, (
+        f"request {seq.seq_id} was finished already: the step after its end gives it nothing, "
+        f"yet it holds {seq.token_ids} (it held {tokens}) and land returned {finished}"
+    )
+
+
+def test_task_3_a_request_preempted_in_flight_may_still_finish(impl):
+    scheduler, manager, plan, _ = decoding(impl, [5], k=0, ignore_eos=False)
+    (seq,) = plan.seqs
+    scheduler.eos_ids = frozenset({2})
+    scheduler.commit(plan, (0,))  # launched: the token is owed
+    scheduler.running.remove(seq)
+    scheduler.preempt(seq)  # the pool ran dry before it landed
+    finished = scheduler.land(Landed(plan, [[2]]))
+    assert finished == [seq] and seq.finish_reason == "stop", (
+        f"request {seq.seq_id}'s owed token is EOS: it finishes even though it waits, "
+        f"preempted; land returned {finished}"
+    )
+    assert not scheduler.waiting and manager.num_free_blocks == 16, (
+        "a request that finished while preempted leaves the waiting queue (it holds no blocks)"
+    )
+
+
+# ---- task 4: your pieces inside the engine ----
 
 ENGINE = dict(dtype="float64", block_size=BLOCK_SIZE, max_model_len=64, max_num_seqs=4)
 MAX_TOKENS = 12
@@ -402,16 +442,28 @@ def prompts() -> list[list[int]]:
     return [[(7 * i + 3 * j) % 200 + 1 for j in range(n)] for i, n in enumerate((3, 9, 4, 12, 5))]
 
 
+def seeded() -> list[SamplingParams]:
+    options = dict(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, ignore_eos=True)
+    return [SamplingParams(**options, seed=5 + i) for i in range(len(prompts()))]
+
+
 @pytest.fixture(scope="module")
 def stage_11(tiny_llama_folder):
-    """Stage 11's greedy tokens: 12 per prompt, and the same stopped at a stop token."""
+    """Stage 11's tokens: 12 greedy per prompt, the same stopped at a stop token, and 12 seeded
+    samples per prompt."""
     llm = LLM(tiny_llama_folder, stage=11, device="cpu", num_kv_blocks=64, **ENGINE)
     greedy = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     plenty = [out.token_ids for out in llm.generate(prompts(), greedy, use_tqdm=False)]
     stop = plenty[1][4]  # the fifth token of the second prompt
     stopped = SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=[stop], ignore_eos=True)
     outs = llm.generate(prompts(), stopped, use_tqdm=False)
-    return {"plenty": plenty, "stop": stop, "stopped": [out.token_ids for out in outs]}
+    sampled = [out.token_ids for out in llm.generate(prompts(), seeded(), use_tqdm=False)]
+    return {
+        "plenty": plenty,
+        "stop": stop,
+        "stopped": [out.token_ids for out in outs],
+        "seeded": sampled,
+    }
 
 
 class Oracle:
@@ -430,15 +482,18 @@ class Oracle:
         return guesses if self.right else [(t + 1) % 256 for t in guesses]
 
 
-def speculative(folder, impl, lookup, **options) -> LLM:
-    parts = {
-        "SpeculativeEngine": impl.SpeculativeEngine,
+def parts(impl, lookup) -> dict:
+    return {
+        "SpeculativeScheduler": impl.SpeculativeScheduler,
         "propose_ngram": lookup,
         "num_accepted": impl.num_accepted,
         "residual": impl.residual,
     }
+
+
+def speculative(folder, impl, lookup, **options) -> LLM:
     options = {"num_kv_blocks": 64, "num_speculative_tokens": 3, **ENGINE, **options}
-    return LLM(folder, stage=12, device="cpu", components=parts, **options)
+    return LLM(folder, stage=12, device="cpu", components=parts(impl, lookup), **options)
 
 
 def run(llm: LLM, params) -> list[list[int]]:
@@ -453,8 +508,9 @@ def run(llm: LLM, params) -> list[list[int]]:
         returned += [seq.seq_id for seq in engine.step()]
         engine.manager.check_invariants()
         for seq in engine.scheduler.running:
-            assert seq.num_draft_tokens == 0, (
-                f"request {seq.seq_id} still holds {seq.num_draft_tokens} guesses after a step"
+            assert len(seq.block_table) <= blocks_for(len(seq)), (
+                f"request {seq.seq_id} of {len(seq)} tokens holds blocks {seq.block_table} "
+                "after a step: the room reserved for guesses was not given back"
             )
     else:
         pytest.fail(f"the engine did not finish {len(seqs)} requests in {MAX_STEPS} steps")
@@ -465,7 +521,7 @@ def run(llm: LLM, params) -> list[list[int]]:
     want = sorted(seq.seq_id for seq in seqs)
     assert sorted(returned) == want, (
         f"step() returned requests {sorted(returned)} as finished; every request {want} must be "
-        "returned once, by the step that finished it (a drained step's too)"
+        "returned once, by the step that finished it"
     )
     return [seq.completion_token_ids for seq in seqs]
 
@@ -496,8 +552,7 @@ def test_task_4_guesses_always_right_give_stage_11s_tokens_in_fewer_steps(
     assert_same_tokens(run(llm, GREEDY), stage_11["plenty"], "guesses always right")
     stats = llm.engine.speculation
     assert stats.num_proposed > 0 and stats.num_accepted == stats.num_proposed, (
-        f"every guess was stage 11's next token: {stats.num_accepted} of {stats.num_proposed} "
-        "kept (count them with self.verify)"
+        f"every guess was stage 11's next token: {stats.num_accepted} of {stats.num_proposed} kept"
     )
     assert stats.num_verify_steps > 0 and stats.tokens_per_step > 2, stats
     assert llm.engine.num_steps <= 12, (
@@ -557,54 +612,40 @@ def test_task_4_your_whole_stage_with_your_lookup_gives_stage_11s_tokens(
     assert stats.num_accepted > 0, f"these completions repeat, yet no guess was kept: {stats}"
 
 
-def test_task_4_a_call_whose_drain_finishes_the_last_request_returns_it(
-    impl, tiny_llama_folder, stage_11
-):
-    # Nothing to guess: the request backs off, so its last token is launched by an overlapped
-    # (stage 11) step, and the next call that may guess drains it and finds an empty batch.
-    llm = speculative(tiny_llama_folder, impl, lambda token_ids, k, max_n, min_n: [])
-    engine = llm.engine
-    seq = engine.add_request(prompts()[1], SamplingParams(max_tokens=3, ignore_eos=True))
-    calls: list[tuple[list[int], int]] = []  # per call: what it returned, the steps it launched
-    while engine.has_unfinished() and len(calls) < 10:
-        num_steps = engine.num_steps
-        calls.append(([s.seq_id for s in engine.step()], engine.num_steps - num_steps))
-    assert seq.completion_token_ids == stage_11["plenty"][1][:3]
-    assert calls[-1] == ([seq.seq_id], 0), (
-        f"(requests returned, steps launched) per call: {calls}. The last call drains the step "
-        f"that made request {seq.seq_id}'s last token; its batch is then empty, and it returns "
-        "what the drain finished"
-    )
+@pytest.mark.parametrize("right", [True, False], ids=["right", "wrong"])
+def test_task_4_seeded_sampling_gives_stage_11s_tokens(impl, tiny_llama_folder, stage_11, right):
+    # n-gram guesses are sure (q one-hot): the verdict keeps a guess exactly when it equals the
+    # token stage 11 draws at that position, with stage 11's own random numbers
+    llm = speculative(tiny_llama_folder, impl, Oracle(stage_11["seeded"], right))
+    assert_same_tokens(run(llm, seeded()), stage_11["seeded"], "seeded sampling, T 0.8, top-p")
+    stats = llm.engine.speculation
+    assert stats.num_proposed > 0 and (stats.num_accepted > 0) == right, stats
 
 
-def test_task_4_a_call_that_can_run_nothing_while_a_request_waits_raises(
-    impl, tiny_llama_folder, stage_11
-):
+def test_task_4_a_step_with_nothing_to_run_raises(impl, tiny_llama_folder, stage_11):
     llm = speculative(tiny_llama_folder, impl, Oracle(stage_11["plenty"], right=True))
     engine = llm.engine
+    with pytest.raises(RuntimeError, match="scheduler produced an empty batch"):
+        engine.step()
+        pytest.fail("step() on an engine with no request returned instead of raising")
     seq = engine.add_request(prompts()[1], GREEDY)
-    engine.step()  # its prefill; from the next call on it may guess
-    engine.scheduler.schedule = lambda: ScheduledBatch([], is_prefill=False)  # as if none could run
-    with pytest.raises(RuntimeError):
+    while engine.runner.in_flight is not None or not seq.completion_token_ids:
+        engine.step()  # its prefill, and the step that lands its first token
+    assert not seq.is_finished
+    engine.scheduler.schedule = lambda: ScheduledBatch([], is_prefill=False)  # none can run
+    with pytest.raises(RuntimeError, match="scheduler produced an empty batch"):
         engine.step()
         pytest.fail(
-            f"the scheduler gave an empty batch, the drain finished nothing and request "
-            f"{seq.seq_id} is still running: nothing could ever run it, and step() must raise "
-            "RuntimeError instead of returning (a loop would spin forever)"
+            f"the scheduler planned nothing while request {seq.seq_id} runs: nothing could "
+            "ever run it, and step() must raise RuntimeError (a loop would spin forever)"
         )
 
 
 @pytest.mark.gpu
-def test_task_4_on_a_gpu_the_loop_gives_stage_11s_tokens(impl, tiny_llama_folder):
+def test_task_4_on_a_gpu_your_pieces_give_stage_11s_tokens(impl, tiny_llama_folder):
     options = dict(device="cuda", num_kv_blocks=64, attention_backend="triton", **ENGINE)
     want = LLM(tiny_llama_folder, stage=11, **options).generate(prompts(), GREEDY, use_tqdm=False)
-    parts = {
-        "SpeculativeEngine": impl.SpeculativeEngine,
-        "propose_ngram": impl.propose_ngram,
-        "num_accepted": impl.num_accepted,
-        "residual": impl.residual,
-    }
-    llm = LLM(tiny_llama_folder, stage=12, components=parts, **options)
+    llm = LLM(tiny_llama_folder, stage=12, components=parts(impl, impl.propose_ngram), **options)
     got = llm.generate(prompts(), GREEDY, use_tqdm=False)
     assert_same_tokens([o.token_ids for o in got], [o.token_ids for o in want], "on a GPU")
     assert llm.engine.speculation.num_accepted > 0

@@ -1,17 +1,29 @@
 """Stage 12 mutants: the n-gram lookup (propose_ngram), the rejection rule (num_accepted,
-residual), the guesses and the rollback (SpeculativeScheduler.add_proposal / accept) and the loop
-(SpeculativeEngine.step), one learner bug each."""
+residual), and a guess's bookkeeping in the one scheduler (SpeculativeScheduler.make_room before
+the verify step, land and settle_guesses after it), one learner bug each."""
 
 from __future__ import annotations
 
 from tests.mutants import Mutant
 
-NO_ROOM = "if not self.manager.can_append(seq):\n    return False"
-DROP_GUESSES = "del seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens :]"
-EMPTY_BATCH = (
-    "if finished or self.scheduler.is_finished():\n    return finished\n"
-    "raise RuntimeError('scheduler produced an empty batch with requests pending')"
-)
+RESERVE = "return self.room.reserve(seq, len(seq) + budget) - len(seq)"
+KEPT_KV = """
+if len(gained) > 1:
+    seq.num_cached_tokens += len(gained) - 1
+    if self.prefix_manager is not None:
+        self.prefix_manager.hash_blocks(seq)
+"""
+HASH = "if self.prefix_manager is not None:\n    self.prefix_manager.hash_blocks(seq)"
+FINISHED = """
+if seq in self.waiting:
+    self.waiting.remove(seq)
+else:
+    self.manager.deallocate(seq)
+    self.running.remove(seq)
+    self.release(seq)
+"""
+JUDGED = "self.speculation.judged(plan, out.tokens)"
+GIVE_BACK = "self.give_back(seq, seq.num_cached_tokens)"
 
 
 def mutant(name: str, bug: str, target: str, *edits: tuple[str, str]) -> Mutant:
@@ -99,134 +111,164 @@ MUTANTS = (
         "residual",
         ("mass / mass.sum(dim=-1, keepdim=True)", "mass"),
     ),
-    # ---- guesses in ----
+    # ---- room before the verify step ----
     mutant(
-        "proposal_ignores_room",
-        "add_proposal never asks can_append: a guess at a full pool runs the allocator dry",
-        "SpeculativeScheduler.add_proposal",
-        (NO_ROOM, ""),
-    ),
-    mutant(
-        "proposal_preempts",
-        "add_proposal preempts the newest other request to make room for a guess",
-        "SpeculativeScheduler.add_proposal",
+        "room_from_stored",
+        "make_room counts from the stored tokens, not from all of them: the newest token's slot "
+        "is counted as a guess's, and the last guess has no slot",
+        "SpeculativeScheduler.make_room",
         (
-            NO_ROOM,
-            "while not self.manager.can_append(seq):\n"
-            "    others = [s for s in self.running if s is not seq]\n"
-            "    if not others:\n"
-            "        return False\n"
-            "    self.running.remove(others[-1])\n"
-            "    self.preempt(others[-1])",
+            RESERVE,
+            "return self.room.reserve(seq, seq.num_cached_tokens + budget) - seq.num_cached_tokens",
         ),
     ),
     mutant(
-        "proposal_not_scheduled",
-        "a guess is appended but not scheduled: the verify step computes the newest token only",
-        "SpeculativeScheduler.add_proposal",
-        ("seq.num_scheduled_tokens += 1", ""),
-    ),
-    # ---- rollback out ----
-    mutant(
-        "guesses_kept",
-        "accept appends what the step gained after the guesses instead of in their place",
-        "SpeculativeScheduler.accept",
-        (DROP_GUESSES, ""),
+        "room_claimed_not_found",
+        "make_room reserves what it can but answers the whole budget: with few free blocks the "
+        "plan has guesses with no slot",
+        "SpeculativeScheduler.make_room",
+        (RESERVE, "self.room.reserve(seq, len(seq) + budget)\nreturn budget"),
     ),
     mutant(
-        "no_truncate",
-        "the blocks grown for rejected guesses are never given back: they leak until the "
-        "request ends",
-        "SpeculativeScheduler.accept",
-        ("self.manager.truncate(seq, seq.num_cached_tokens)", ""),
+        "room_for_the_drawn_token",
+        "make_room reserves a slot for the drawn token too and counts it out: with a full table "
+        "the plan asks for a negative number of guesses",
+        "SpeculativeScheduler.make_room",
+        (RESERVE, "return self.room.reserve(seq, len(seq) + budget + 1) - len(seq) - 1"),
     ),
     mutant(
-        "drawn_token_cached",
-        "num_cached_tokens = len(seq): the drawn token counts as stored, and its K/V is never "
-        "computed",
-        "SpeculativeScheduler.accept",
-        ("seq.num_cached_tokens = len(seq) - 1", "seq.num_cached_tokens = len(seq)"),
+        "room_by_preempting",
+        "make_room preempts the newest other request until the whole budget fits: a guess "
+        "pushes a request out of memory",
+        "SpeculativeScheduler.make_room",
+        (
+            RESERVE,
+            "others = [s for s in self.running if s is not seq]\n"
+            "while others and self.room.reserve(seq, len(seq) + budget) < len(seq) + budget:\n"
+            "    victim = others.pop()\n"
+            "    self.running.remove(victim)\n"
+            "    self.preempt(victim)\n" + RESERVE,
+        ),
+    ),
+    # ---- the verdict lands ----
+    mutant(
+        "kept_guesses_not_stored",
+        "land appends the kept guesses but does not count their K/V as stored: the next step "
+        "computes them again, and the room past the stored tokens is cut under them",
+        "SpeculativeScheduler.land",
+        (
+            KEPT_KV,
+            "if len(gained) > 1 and self.prefix_manager is not None:\n"
+            "    self.prefix_manager.hash_blocks(seq)",
+        ),
+    ),
+    mutant(
+        "drawn_token_stored",
+        "land counts the drawn token's K/V as stored too: it is never computed",
+        "SpeculativeScheduler.land",
+        ("seq.num_cached_tokens += len(gained) - 1", "seq.num_cached_tokens += len(gained)"),
+    ),
+    mutant(
+        "stored_past_the_finish",
+        "land counts the kept guesses as stored before it appends them: a request that ends "
+        "inside its kept run counts K/V past its last token",
+        "SpeculativeScheduler.land",
+        (
+            KEPT_KV,
+            "if len(gained) > 1 and self.prefix_manager is not None:\n"
+            "    self.prefix_manager.hash_blocks(seq)",
+        ),
+        ("seq.num_pending -= 1", "seq.num_pending -= 1\nseq.num_cached_tokens += len(gained) - 1"),
+    ),
+    mutant(
+        "kept_blocks_not_hashed",
+        "land never hashes: blocks that kept guesses filled are shareable only a step later",
+        "SpeculativeScheduler.land",
+        (HASH, "pass"),
+    ),
+    mutant(
+        "hashed_before_stored",
+        "land hashes before it counts the kept guesses as stored: the blocks they filled are "
+        "shareable only a step later",
+        "SpeculativeScheduler.land",
+        (
+            KEPT_KV,
+            "if len(gained) > 1:\n    "
+            + HASH.replace("\n", "\n    ")
+            + "\n    seq.num_cached_tokens += len(gained) - 1",
+        ),
     ),
     mutant(
         "past_the_stop",
         "every gained token is appended: a stop token inside the kept run does not end the request",
-        "SpeculativeScheduler.accept",
+        "SpeculativeScheduler.land",
         ("if reason is not None:\n    break", ""),
     ),
     mutant(
-        "guesses_hashed",
-        "the verify step is committed as stage 11 commits a step before the guesses are dropped: "
-        "a block holding a rejected guess joins the prefix cache",
-        "SpeculativeScheduler.accept",
-        (
-            DROP_GUESSES,
-            "seq.num_cached_tokens += seq.num_scheduled_tokens\n"
-            "if self.prefix_manager is not None:\n"
-            "    self.prefix_manager.hash_blocks(seq)\n" + DROP_GUESSES,
-        ),
+        "token_after_the_end",
+        "a request that finished while its step ran still gains that step's tokens",
+        "SpeculativeScheduler.land",
+        ("not gained or seq.is_finished", "not gained"),
     ),
     mutant(
-        "finished_row_kept",
-        "a request that finishes inside its kept run never frees its row",
-        "SpeculativeScheduler.accept",
-        ("self.release(seq)", ""),
+        "token_still_owed",
+        "land never pays the owed token back (num_pending): the request counts one token too many",
+        "SpeculativeScheduler.land",
+        ("seq.num_pending -= 1", ""),
     ),
     mutant(
         "finished_blocks_kept",
         "a request that finishes inside its kept run keeps its blocks",
-        "SpeculativeScheduler.accept",
+        "SpeculativeScheduler.land",
         ("self.manager.deallocate(seq)", ""),
     ),
-    # ---- the loop ----
     mutant(
-        "prefill_verified",
-        "a prefill batch gets guesses too, and is verified as if it were a decode",
-        "SpeculativeEngine.step",
-        ("not batch.is_prefill", "True"),
+        "finished_row_kept",
+        "a request that finishes inside its kept run never frees its row",
+        "SpeculativeScheduler.land",
+        ("self.release(seq)", ""),
     ),
     mutant(
-        "always_verified",
-        "a decode batch is verified even when nobody guessed: never a plain step",
-        "SpeculativeEngine.step",
-        ("any(seq.num_draft_tokens for seq in batch.seqs)", "True"),
+        "preempted_deallocated_again",
+        "a request preempted while its last token was in flight is deallocated again when it "
+        "finishes (it holds nothing: the manager fails) and stays in the waiting queue",
+        "SpeculativeScheduler.land",
+        (FINISHED, "self.manager.deallocate(seq)\nself.running.remove(seq)\nself.release(seq)"),
+    ),
+    # ---- the room given back ----
+    mutant(
+        "room_never_given_back",
+        "settle_guesses gives nothing back: the blocks of rejected guesses leak until the "
+        "request ends",
+        "SpeculativeScheduler.settle_guesses",
+        (GIVE_BACK, "pass"),
     ),
     mutant(
-        "uncounted_verify",
-        "the runner's verify is called directly: no speculation stats, no step counted",
-        "SpeculativeEngine.step",
-        (
-            "self.verify(batch, draft_probs, num_preempted_before)",
-            "self.runner.verify(batch, draft_probs, self.rule)",
-        ),
+        "given_back_to_the_length",
+        "settle_guesses keeps len(seq) tokens, not the stored ones: the drawn token's block is "
+        "held for a step that may never come",
+        "SpeculativeScheduler.settle_guesses",
+        (GIVE_BACK, "self.give_back(seq, len(seq))"),
     ),
     mutant(
-        "guessing_step_not_drained",
-        "a guessing step after an overlapped one does not resolve the step in flight: guesses "
-        "are appended while a token is still owed, and that token lands after them",
-        "SpeculativeEngine.step",
-        ("finished = self.drain()", "finished = []"),
+        "finished_given_back",
+        "settle_guesses truncates every sequence with a budget, a finished one too: its table "
+        "is gone, and the manager fails",
+        "SpeculativeScheduler.settle_guesses",
+        ("budget and seq.status is SequenceStatus.RUNNING", "budget"),
     ),
     mutant(
-        "drained_tokens_lost",
-        "the sequences the drain finished are not returned: their requests never complete",
-        "SpeculativeEngine.step",
-        (
-            "return finished + self.scheduler.accept(batch, verified.token_ids, self.eos_ids)",
-            "return self.scheduler.accept(batch, verified.token_ids, self.eos_ids)",
-        ),
+        "back_off_never_told",
+        "settle_guesses never tells the speculation policy: a request whose guesses always miss "
+        "keeps guessing at every step",
+        "SpeculativeScheduler.settle_guesses",
+        ("if self.speculation is not None:\n    " + JUDGED, ""),
     ),
     mutant(
-        "empty_batch_always_raises",
-        "an empty batch always raises, as stage 09's loop did: the call whose drain finished the "
-        "last request raises instead of returning it",
-        "SpeculativeEngine.step",
-        (EMPTY_BATCH, "raise RuntimeError('scheduler produced an empty batch')"),
-    ),
-    mutant(
-        "empty_batch_never_raises",
-        "an empty batch returns what the drain finished, even nothing while requests wait: an "
-        "engine that can run nothing spins forever instead of failing",
-        "SpeculativeEngine.step",
-        (EMPTY_BATCH, "return finished"),
+        "every_guess_missed",
+        "settle_guesses tells the policy nothing was gained: a request that kept its guesses "
+        "backs off",
+        "SpeculativeScheduler.settle_guesses",
+        (JUDGED, "self.speculation.judged(plan, None)"),
     ),
 )
