@@ -252,8 +252,8 @@ class Scheduler:
                     break
             if reason is None:
                 seq.num_cached_tokens += len(gained) - 1  # the kept guesses' K/V stays
-                if self.prefix_manager is not None:
-                    self.prefix_manager.hash_blocks(seq)
+                if self.prefix_manager is not None and seq.status is SequenceStatus.RUNNING:
+                    self.prefix_manager.hash_blocks(seq)  # (a preempted one holds no blocks)
                 continue
             seq.finish(reason)
             if seq in self.waiting:  # preempted while its last token was in flight
