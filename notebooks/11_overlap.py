@@ -70,7 +70,7 @@ from nanoserve.testing import save_tiny_model
 IMPL = "ref"
 
 mine = grading.load_impl(11, IMPL)
-components = {"PersistentBatch": mine.PersistentBatch, "OverlapEngine": mine.OverlapEngine}
+components = {"PersistentBatch": mine.PersistentBatch, "OverlapScheduler": mine.OverlapScheduler}
 print(f"stage 11's PersistentBatch and OverlapEngine from {IMPL!r}")
 
 # %% [markdown]
