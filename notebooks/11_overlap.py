@@ -379,8 +379,9 @@ plt.show()
 # Right of each row, the steps the call served. In stage 11 the gap between `launch` and `land`
 # is the runner waiting for the step before (inside `execute`, not stamped). On a CPU, `launch`
 # holds the whole forward pass and the sampling: there is no device to hand them to, so a call
-# takes about as long as stage 09's. On a GPU, `launch` returns as soon as the work is queued, and the same order lets the
-# host's `schedule`, `launch`, `land` and `commit` run while the device computes.
+# takes about as long as stage 09's. On a GPU, `launch` returns as soon as the work is queued,
+# and the same order lets the host's `schedule`, `launch`, `land` and `commit` run while the
+# device computes.
 #
 # ## What must be true
 #
