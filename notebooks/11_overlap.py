@@ -18,9 +18,10 @@
 #
 # Up to stage 10 the host and the device take turns: the host schedules and packs a step, the
 # device runs it, the host samples and appends the tokens, and only then does the next step
-# begin. Stage 11's loop is one step ahead of its own tokens. Each call of `engine.step()`
-# schedules and launches step N + 1, then waits for step N's tokens, resolves N and commits
-# N + 1, so the host's work for the next step happens while the device computes the current one.
+# begin. Stage 11 runs the same loop (schedule, execute, update), one step ahead of its own
+# tokens. Each call of `engine.step()` schedules and launches step N + 1, then waits for step N's
+# tokens, and `update` lands N and commits N + 1, so the host's work for the next step happens
+# while the device computes the current one.
 #
 # This notebook draws that as a timeline, twice:
 #
@@ -66,12 +67,12 @@ from nanoserve.testing import save_tiny_model
 # What runs stage 11 in the live trace: "ref" (the reference in src/nanoserve), "starter" (the
 # stage's starter.py), a path to your own .py file (absolute, or relative to this notebook's
 # folder) or a dotted module name: the same values `pytest --impl` and `nanoserve check` accept.
-# Its PersistentBatch and OverlapEngine (with your OverlapScheduler inside) run the engine.
+# Its PersistentBatch and OverlapScheduler (your commit and land) run in the engine.
 IMPL = "ref"
 
 mine = grading.load_impl(11, IMPL)
-components = {"PersistentBatch": mine.PersistentBatch, "OverlapEngine": mine.OverlapEngine}
-print(f"stage 11's PersistentBatch and OverlapEngine from {IMPL!r}")
+components = {"PersistentBatch": mine.PersistentBatch, "OverlapScheduler": mine.OverlapScheduler}
+print(f"stage 11's PersistentBatch and OverlapScheduler from {IMPL!r}")
 
 # %% [markdown]
 # ## The H200's stamps
@@ -83,7 +84,8 @@ print(f"stage 11's PersistentBatch and OverlapEngine from {IMPL!r}")
 # medians `wall_ms` (a call), `busy_ms` (the device's part) and `exposed_host_ms` (the rest: host
 # time the device waited for). Stage 09's phases are `schedule`, `prepare`, `run` (forward,
 # sampling, and the wait for the tokens) and `postprocess`; stage 11's are `schedule`, `launch`,
-# `resolve` and `commit`.
+# `resolve` and `commit`. (These files were recorded before every stage ran one loop: stage 11's
+# `resolve`, the wait for the step before and the appending of its tokens, is today's `land`.)
 
 
 # %%
@@ -154,6 +156,8 @@ PHASE_COLOURS = {
     "launch": "#009E73",
     "resolve": "#56B4E9",
     "commit": "#F0E442",
+    "execute": "#CC79A7",  # the live trace: stage 09's step, forward and sampling and the wait
+    "land": "#56B4E9",
 }
 DEVICE_COLOUR = "#555555"
 plt.rcParams["figure.dpi"] = 100
@@ -229,49 +233,58 @@ if runs:
 #
 # The label `step i` counts the steps of the recording, not of the engine: the profile starts
 # after the prefill and a few warm-up steps. In stage 11, call `i` of `step()` launches step `i`
-# and resolves step `i - 1`.
+# and lands step `i - 1`.
 
 # %% [markdown]
 # ## A trace on your CPU
 #
-# The same stamps, recorded live. Four requests of 12 to 30 prompt tokens on a tiny random model
-# (two layers, float64), greedy, 10 tokens each, on stage 09 and on stage 11. `Stamps` wraps the
-# methods a step calls, as `profile_overlap.py` does, and notes which step each call belongs to:
-# for stage 11, `schedule`, `launch` and `commit` work on the step being launched and `resolve`
-# on the one before.
+# Stamps recorded live. Four requests of 12 to 30 prompt tokens on a tiny random model (two
+# layers, float64), greedy, 10 tokens each, on stage 09 and on stage 11. Both run the same loop,
+# `plan = schedule(); out = runner.execute(plan); update(plan, out)`, and `update` calls the same
+# two halves, `land` and `commit`. `Stamps` wraps the methods a step calls and notes which step
+# each call serves, by its plan: `schedule` makes the plan, `execute` (stage 09) or `launch`
+# (stage 11) runs it, `commit` records its progress and `land` its tokens.
 
 
 # %%
 class Stamps:
-    """Host phases of an engine's steps: (call, phase, step it belongs to, start ms, end ms)."""
+    """Host phases of an engine's steps: (call, phase, step it serves, start ms, end ms)."""
 
     def __init__(self, engine):
         self.engine = engine
         self.t0 = time.perf_counter()
         self.call = 0
         self.phases: list[tuple[int, str, int, float, float]] = []
-        self.step_of_launch: dict[int, int] = {}  # id(Launched) -> the step it launched
+        self.plans: dict[int, tuple[object, int]] = {}  # id(plan) -> (plan, its step)
 
     def now(self) -> float:
         return (time.perf_counter() - self.t0) * 1e3
 
-    def wrap(self, obj, name: str, step_of) -> None:
-        """Stamp every call of obj.name; step_of(args, result) says which step it served."""
+    def step_of(self, plan) -> int | None:
+        """The step a plan ran as; None for an empty plan (nothing launched)."""
+        kept = self.plans.get(id(plan))
+        return kept[1] if kept is not None and kept[0] is plan else None
+
+    def wrap(self, obj, name: str, plan_of) -> None:
+        """Stamp every call of obj.name; plan_of(args, result) is the plan the call serves."""
         inner = getattr(obj, name)
 
         @functools.wraps(inner)
         def stamped(*args, **kwargs):
-            next_step = self.engine.num_steps + 1  # the step a schedule or launch now prepares
             start = self.now()
             result = inner(*args, **kwargs)
-            step = step_of(args, result, next_step)
-            self.phases.append((self.call, name, step, start, self.now()))
+            plan = plan_of(args, result)
+            if name == "schedule" and plan.seqs:  # a plan that runs: the engine's next step
+                self.plans[id(plan)] = (plan, self.engine.num_steps + 1)
+            step = self.step_of(plan)
+            if step is not None:
+                self.phases.append((self.call, name, step, start, self.now()))
             return result
 
         setattr(obj, name, stamped)
 
 
-def stamped_engine(stage: int, stamps_out: list):
+def stamped_engine(stage: int) -> tuple[LLM, Stamps]:
     """An engine of the stage on the tiny model, its phases stamped."""
     llm = LLM(
         folder,
@@ -284,26 +297,14 @@ def stamped_engine(stage: int, stamps_out: list):
     )
     engine, runner = llm.engine, llm.engine.runner
     stamps = Stamps(engine)
-    upcoming = lambda args, result, next_step: next_step  # noqa: E731
-    stamps.wrap(engine.scheduler, "schedule", upcoming)
+    stamps.wrap(engine.scheduler, "schedule", lambda args, plan: plan)
     if stage == 11:
-
-        def launched(args, result, next_step):
-            stamps.step_of_launch[id(result)] = next_step
-            return next_step
-
-        def of_launch(args, result, next_step):
-            return stamps.step_of_launch[id(args[0])]
-
-        stamps.wrap(runner, "launch", launched)
-        stamps.wrap(engine.scheduler, "resolve", of_launch)
-        stamps.wrap(engine.scheduler, "commit", of_launch)
+        stamps.wrap(runner, "launch", lambda args, launched: args[0])
     else:
-        stamps.wrap(runner, "prepare", upcoming)
-        stamps.wrap(runner, "run", upcoming)
-        stamps.wrap(engine.scheduler, "postprocess", lambda args, result, n: n - 1)
-    stamps_out.append(stamps)
-    return llm
+        stamps.wrap(runner, "execute", lambda args, out: args[0])
+    stamps.wrap(engine.scheduler, "land", lambda args, finished: args[0].plan)
+    stamps.wrap(engine.scheduler, "commit", lambda args, result: args[0])
+    return llm, stamps
 
 
 folder = save_tiny_model(tempfile.mkdtemp(prefix="nanoserve-nb11-"), "llama")
@@ -312,9 +313,7 @@ PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)
 
 traces, tokens = {}, {}
 for stage in (9, 11):
-    stamps_out: list[Stamps] = []
-    llm = stamped_engine(stage, stamps_out)
-    stamps = stamps_out[0]
+    llm, stamps = stamped_engine(stage)
     seqs = [llm.engine.add_request(p, PARAMS) for p in PROMPTS]
     while llm.engine.has_unfinished():
         stamps.call += 1
@@ -335,9 +334,11 @@ for stage, stamps in traces.items():
         print(f"  call {call}: " + " | ".join(order))
 
 # %% [markdown]
-# Stage 09 does everything for step `N` in call `N`. Stage 11's call `N` launches step `N` and
-# finishes step `N - 1`; its first call only launches (the prefill), and its last only
-# resolves. Drawn, one row per call, each phase at its time within the call:
+# Stage 09 does everything for step `N` in call `N`: its runner waits for the step's tokens, so
+# `update` commits step `N` and lands it at once. Stage 11's call `N` launches step `N`, lands
+# step `N - 1` (the runner waited for it after the launch) and commits step `N`; its first call
+# lands nothing, and its last only lands. Drawn, one row per call, each phase at its time within
+# the call:
 
 
 # %% tags=["hide-input"]
@@ -352,9 +353,9 @@ def draw_calls(ax, stage: int, stamps: Stamps, calls: range) -> None:
             ax.broken_barh([(start - t0, end - start)], (call - 0.4, 0.8),
                            color=PHASE_COLOURS[name])  # fmt: skip
         step_of = {name: step for _, name, step, _, _ in phases}
-        served = f"step {step_of['run']}" if stage == 9 else f"launch {step_of['launch']}"
-        if "resolve" in step_of:
-            served += f", resolve {step_of['resolve']}"
+        served = f"step {step_of['execute']}" if stage == 9 else f"launch {step_of['launch']}"
+        if stage == 11 and "land" in step_of:
+            served += f", land {step_of['land']}"
         ax.text(1.01, call, served, transform=ax.get_yaxis_transform(), va="center",
                 fontsize=8, family="monospace")  # fmt: skip
     ax.set_yticks(list(calls), [f"call {c}" for c in calls])
@@ -375,25 +376,27 @@ fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), frame
 plt.show()
 
 # %% [markdown]
-# Right of each row, the steps the call served. On a CPU, `launch` holds the whole forward pass
-# and the sampling: there is no device to hand them to, so a call takes about as long as stage
-# 09's. On a GPU, `launch` returns as soon as the work is queued, and the same order lets
-# the host's `schedule`, `launch`, `resolve` and `commit` run while the device computes.
+# Right of each row, the steps the call served. In stage 11 the gap between `launch` and `land`
+# is the runner waiting for the step before (inside `execute`, not stamped). On a CPU, `launch`
+# holds the whole forward pass and the sampling: there is no device to hand them to, so a call
+# takes about as long as stage 09's. On a GPU, `launch` returns as soon as the work is queued,
+# and the same order lets the host's `schedule`, `launch`, `land` and `commit` run while the
+# device computes.
 #
 # ## What must be true
 #
-# Every call of stage 11 after the first resolves the step launched in the call before it, and
+# Every call of stage 11 after the first lands the step launched in the call before it, and
 # commits the step it launched itself; the run needs one call more than it has steps (the last
-# call launches nothing and only resolves).
+# call launches nothing and only lands).
 
 
 # %%
 stamps = traces[11]
 launched_in = {step: c for c, name, step, _, _ in stamps.phases if name == "launch"}
 for c, name, step, _, _ in stamps.phases:
-    if name == "resolve":
-        assert launched_in[step] == c - 1, f"call {c} resolved step {step}"
+    if name == "land":
+        assert launched_in[step] == c - 1, f"call {c} landed step {step}"
     if name == "commit":
         assert launched_in[step] == c, f"call {c} committed step {step}"
 assert stamps.call == len(launched_in) + 1
-print(f"{len(launched_in)} steps launched, each resolved one call later")
+print(f"{len(launched_in)} steps launched, each landed one call later")

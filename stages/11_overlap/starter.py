@@ -1,15 +1,17 @@
-"""Stage 11 starter: the overlap loop. Rows of the running batch kept on the device, the next step
-launched before the last one's tokens reach the host, and the bookkeeping that makes that exact.
+"""Stage 11 starter: overlap scheduling. Rows of the running batch kept on the device, the next step
+launched before the last one's tokens reach the host, and the scheduler's bookkeeping that keeps
+that exact.
 
 Fill in each body (the lesson, stages/11_overlap/README.md, walks through them in task order) in
 a copy: `cp stages/11_overlap/starter.py my_overlap.py`, then grade it with
 `pytest stages/11_overlap --impl my_overlap.py`; this file itself must keep failing. Every task
-runs on a CPU; task 5 also runs your loop with CUDA graphs and skips without a GPU.
+runs on a CPU; task 5 also runs your classes with CUDA graphs and skips without a GPU.
 
-    one step of the loop (step N + 1 is launched before step N's tokens are read):
+    the loop is every stage's: plan = schedule(); out = runner.execute(plan); update(plan, out)
+    stage 11's runner (given) launches the plan, then waits for the step before it:
 
-      host    schedule N+1 | launch N+1 | wait N, resolve N | commit N+1 | schedule N+2 | ...
-      device  .. step N ........ | step N+1 ........................................ | ...
+      host    schedule N+1 | launch N+1 | wait N | update: land N, commit N+1 | schedule N+2 ...
+      device  .. step N ......................... | step N+1 ..................................
 
     the persistent batch, block_size 4: a prompt of 6 tokens, table [5, 2], takes row 0
       first step      send: rows [0], entries (0, 0, 5) and (0, 1, 2)
@@ -23,11 +25,9 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from nanoserve.engine.loop.overlap_base import OverlapEngineBase, OverlapSchedulerBase
-from nanoserve.engine.loop.scheduler import finish_reason  # noqa: F401  (given; use it in task 3)
+from nanoserve.engine.loop.scheduler import Scheduler, finish_reason  # noqa: F401  (task 4)
 from nanoserve.engine.runner.device_batch import DeviceBatch
-from nanoserve.engine.runner.overlap_runner import Launched
-from nanoserve.types import Sequence, SequenceStatus  # noqa: F401  (task 3)
+from nanoserve.types import Landed, ScheduledBatch, Sequence
 
 # Given (nanoserve/engine/runner/device_batch.py): `DeviceBatch(capacity, table_width, block_size,
 # device)` holds the rows' tensors; `grow(capacity)` makes room for more rows (old rows keep
@@ -75,53 +75,50 @@ class PersistentBatch(DeviceBatch):
         raise NotImplementedError("task 2: PersistentBatch.send")
 
 
-class OverlapScheduler(OverlapSchedulerBase):
-    """The scheduler, split at the step it does not wait for (the rest is given: schedule,
-    preempt, abort, and `self.release(seq)`, which frees seq's row: the next step's plan
-    tells the runner, which owns the rows)."""
+class OverlapScheduler(Scheduler):
+    """The scheduler, with its update split at the step it does not wait for.
 
-    # ---- task 3: commit when a step is launched, resolve when its tokens arrive ----
+    Given (engine/loop/scheduler.py): schedule, preempt, abort, `self.release(seq)` (the next
+    plan tells the runner, which owns the rows, to free seq's row) and `update(plan, out)`, which
+    the engine calls once per step and which calls yours in this order:
 
-    def commit(self, launched: Launched) -> None:
-        """The launched step will store its tokens' K/V, and each sequence that samples owes the
-        host a token: for every seq of launched.batch.seqs that is not finished, move
-        num_scheduled_tokens into num_cached_tokens (and set it to 0), let a prefix-caching
-        manager hash the blocks that just filled (`self.prefix_manager.hash_blocks(seq)` when
-        there is one), and count one owed token (`seq.num_pending`) if its index is in
-        launched.sampled. A finished seq (it ended while this step was being launched) is
-        skipped: that step's token for it is discarded.
+        land(out.earlier)            the step before landed during this call (the runner waited)
+        commit(plan, out.sampled)    this plan was launched; its tokens are still on the device
+        land(Landed(plan, tokens))   only when the plan's tokens are already here (no overlap)
+    """
+
+    # ---- task 3: commit, when a step is launched ----
+
+    def commit(self, plan: ScheduledBatch, sampled: tuple[int, ...]) -> None:
+        """The plan's step will store its tokens' K/V, and each sequence that samples owes the
+        host a token. For every seq of plan.seqs that is not finished: move num_scheduled_tokens
+        into num_cached_tokens (and set num_scheduled_tokens to 0), let a prefix-caching manager
+        hash the blocks that just filled (`self.prefix_manager.hash_blocks(seq)` when
+        self.prefix_manager is not None), and count one owed token (`seq.num_pending += 1`) if
+        its index in plan.seqs is in `sampled` (a prefill chunk that does not end its prompt
+        samples nothing). A finished seq (it ended when the step before landed, after this plan
+        was launched) only gets num_scheduled_tokens = 0: this step's token for it is discarded.
         """
         raise NotImplementedError("task 3: OverlapScheduler.commit")
 
-    def resolve(self, launched: Launched, token_ids: list, eos_ids) -> list[Sequence]:
-        """The step's tokens arrived (token_ids[i] is batch.seqs[i]'s, None for a prefill chunk):
-        append each one a sequence owes it, and finish the sequences that are done, as stage 00's
-        postprocess does (`finish_reason`): FINISHED with the reason, memory released with
-        `self.manager.deallocate`, out of `self.running`, row freed. A finished seq gets nothing
-        (the step after its end). A seq preempted while this step ran sits in `self.waiting`
-        and holds no memory: if it finishes, take it out of the waiting queue instead.
-        Returns the sequences that finished, in batch order.
+    # ---- task 4: land, when a step's tokens arrive ----
+
+    def land(self, landed: Landed) -> list[Sequence]:
+        """A step's tokens arrived: landed.tokens[i] is what landed.plan.seqs[i] gains, a list
+        ([] for a prefill chunk that sampled nothing, [t] after a plain step).
+
+        Skip a seq whose list is empty, and a finished one (the step after its end: its token is
+        discarded). Otherwise its owed token lands: `seq.num_pending -= 1`, then append the
+        tokens in order (`seq.append_token`), stopping at the first one for which
+        `finish_reason(seq, token_id, self.eos_ids, self.config.max_model_len)` is not None.
+        (Stage 12 lands several tokens per seq: the guesses the model kept, then one it drew.
+        If none of them finishes seq, the kept guesses' K/V is stored: num_cached_tokens grows
+        by len(tokens) - 1, and a prefix-caching manager hashes seq's blocks. With one token
+        that is + 0.)
+
+        A seq that finished: `seq.finish(reason)`; if it sits in `self.waiting` (preempted while
+        this step ran: it holds no memory and no row) take it out of the waiting queue; else
+        `self.manager.deallocate(seq)`, remove it from `self.running` and `self.release(seq)`.
+        Returns the sequences that finished, in the order of plan.seqs.
         """
-        raise NotImplementedError("task 3: OverlapScheduler.resolve")
-
-
-class OverlapEngine(OverlapEngineBase):
-    """The engine loop with one step in flight (given: `_launch`, abort, has_unfinished)."""
-
-    Scheduler = OverlapScheduler
-    scheduler: OverlapScheduler
-
-    # ---- task 4: the loop ----
-
-    def step(self) -> list[Sequence]:
-        """Launch the next batch, then wait for the one before and finish it; returns the
-        sequences that finished.
-
-        `self._launch()` schedules and launches a batch (None when nothing can run until a step
-        resolves; do not call it when `self.scheduler.is_finished()`); `self.in_flight` is the
-        step launched last and not yet resolved. In order: launch the next step; resolve the one
-        in flight with its `token_ids()` (that waits for the device); commit the new one and keep
-        it in flight. A step with nothing to launch and nothing in flight is a bug: raise
-        RuntimeError.
-        """
-        raise NotImplementedError("task 4: OverlapEngine.step")
+        raise NotImplementedError("task 4: OverlapScheduler.land")

@@ -1,6 +1,6 @@
-"""Stage 11 mutants: the persistent batch's rows and deltas (PersistentBatch), the split
-postprocess (OverlapScheduler.commit / resolve) and the loop (OverlapEngine.step), one learner
-bug each."""
+"""Stage 11 mutants: the persistent batch's rows and deltas (PersistentBatch) and the scheduler's
+update split at the step in flight (OverlapScheduler.commit / land, whose reference is the one
+Scheduler's), one learner bug each."""
 
 from __future__ import annotations
 
@@ -23,14 +23,20 @@ seq.num_scheduled_tokens = 0
 if self.prefix_manager is not None:
     self.prefix_manager.hash_blocks(seq)
 """
-LOOP = """
-finished = []
-if self.in_flight is not None:
-    done, self.in_flight = self.in_flight, None
-    finished = self.scheduler.resolve(done, done.token_ids(), self.eos_ids)
-if launched is not None:
-    self.scheduler.commit(launched)
-    self.in_flight = launched
+FINISH = """
+if seq in self.waiting:
+    self.waiting.remove(seq)
+else:
+    self.manager.deallocate(seq)
+    self.running.remove(seq)
+    self.release(seq)
+"""
+APPEND = """
+for token_id in gained:
+    seq.append_token(token_id)
+    reason = finish_reason(seq, token_id, self.eos_ids, self.config.max_model_len)
+    if reason is not None:
+        break
 """
 
 
@@ -100,21 +106,33 @@ MUTANTS = (
             "return self.upload(sorted(rows), changed_rows, columns, blocks)",
         ),
     ),
-    # ---- commit / resolve ----
+    # ---- commit ----
+    mutant(
+        "pending_not_counted",
+        "commit never counts the owed token: len(seq) misses it, and the next step feeds the "
+        "token before it at the wrong position",
+        "OverlapScheduler.commit",
+        ("seq.num_pending += i in sampling", ""),
+    ),
     mutant(
         "chunk_owes_a_token",
         "every sequence of a step owes a token, a prefill chunk too: its length runs one ahead",
         "OverlapScheduler.commit",
-        ("seq.num_pending += i in sampled", "seq.num_pending += 1"),
+        ("seq.num_pending += i in sampling", "seq.num_pending += 1"),
+    ),
+    mutant(
+        "cached_not_advanced",
+        "commit clears the scheduled tokens without counting them as stored: every step "
+        "recomputes the whole sequence as a prefill",
+        "OverlapScheduler.commit",
+        (COMMIT, COMMIT.replace("seq.num_cached_tokens += seq.num_scheduled_tokens\n", "")),
     ),
     mutant(
         "commit_finished",
-        "a sequence that ended while its next step was launched still owes that step's token",
+        "a sequence that ended when the step before landed is still committed: it owes the "
+        "discarded step's token and counts its K/V",
         "OverlapScheduler.commit",
-        (
-            "if seq.is_finished:\n    seq.num_scheduled_tokens = 0\n    continue",
-            "pass",
-        ),
+        ("if seq.is_finished:\n    seq.num_scheduled_tokens = 0\n    continue", "pass"),
     ),
     mutant(
         "commit_never_hashes",
@@ -133,82 +151,126 @@ MUTANTS = (
             "seq.num_cached_tokens += seq.num_scheduled_tokens\nseq.num_scheduled_tokens = 0",
         ),
     ),
+    # ---- land ----
+    mutant(
+        "pending_not_landed",
+        "land appends the owed token but never stops owing it: len(seq) counts it twice",
+        "OverlapScheduler.land",
+        ("seq.num_pending -= 1", ""),
+    ),
     mutant(
         "discarded_token_kept",
         "the token sampled in the step after a sequence's end is appended to it",
-        "OverlapScheduler.resolve",
-        ("token_id is None or seq.is_finished", "token_id is None"),
+        "OverlapScheduler.land",
+        ("not gained or seq.is_finished", "not gained"),
+    ),
+    mutant(
+        "chunk_lands_a_token",
+        "a prefill chunk's empty landing is taken for a token: it stops owing one it never owed",
+        "OverlapScheduler.land",
+        ("not gained or seq.is_finished", "seq.is_finished"),
+    ),
+    mutant(
+        "tokens_past_the_finish",
+        "every landed token is appended, even those after the one that finished the sequence",
+        "OverlapScheduler.land",
+        (
+            APPEND,
+            "for token_id in gained:\n    seq.append_token(token_id)\n"
+            "    reason = reason or finish_reason(seq, token_id, self.eos_ids, "
+            "self.config.max_model_len)",
+        ),
+    ),
+    mutant(
+        "first_token_only",
+        "land appends only the first token of each landing: stage 12's kept guesses are lost",
+        "OverlapScheduler.land",
+        (
+            APPEND,
+            "token_id = gained[0]\nseq.append_token(token_id)\n"
+            "reason = finish_reason(seq, token_id, self.eos_ids, self.config.max_model_len)",
+        ),
+    ),
+    mutant(
+        "guesses_not_stored",
+        "kept guesses are appended but their K/V is not counted as stored",
+        "OverlapScheduler.land",
+        ("seq.num_cached_tokens += len(gained) - 1", ""),
+    ),
+    mutant(
+        "landed_guesses_not_hashed",
+        "land counts kept guesses as stored but never hashes them: the blocks they fill join the "
+        "prefix cache only when a later step's commit hashes",
+        "OverlapScheduler.land",
+        (
+            "if self.prefix_manager is not None and seq.status is SequenceStatus.RUNNING:\n"
+            "    self.prefix_manager.hash_blocks(seq)",
+            "",
+        ),
+    ),
+    mutant(
+        "preempted_hashed",
+        "land hashes the blocks of a sequence preempted while its token was in flight: it holds "
+        "none (the prefix manager fails)",
+        "OverlapScheduler.land",
+        (
+            "self.prefix_manager is not None and seq.status is SequenceStatus.RUNNING",
+            "self.prefix_manager is not None",
+        ),
+    ),
+    mutant(
+        "length_past_max_model_len",
+        "land ends a request when it grows past max_model_len, not when it reaches it: the "
+        "request that fills its last position is scheduled again",
+        "OverlapScheduler.land",
+        (
+            "finish_reason(seq, token_id, self.eos_ids, self.config.max_model_len)",
+            "finish_reason(seq, token_id, self.eos_ids, self.config.max_model_len + 1)",
+        ),
+    ),
+    mutant(
+        "finish_without_reason",
+        "a finished sequence is marked FINISHED by hand: no finish reason",
+        "OverlapScheduler.land",
+        ("seq.finish(reason)", "seq.status = SequenceStatus.FINISHED"),
+    ),
+    mutant(
+        "finished_not_returned",
+        "land finishes and frees sequences but returns none of them: the engine never hands "
+        "them back",
+        "OverlapScheduler.land",
+        ("finished.append(seq)", ""),
     ),
     mutant(
         "finished_row_kept",
         "a finished sequence never frees its row",
-        "OverlapScheduler.resolve",
+        "OverlapScheduler.land",
         ("self.release(seq)", ""),
     ),
     mutant(
-        "length_past_max_model_len",
-        "resolve ends a request when it grows past max_model_len, not when it reaches it: the "
-        "request that fills its last position is scheduled again",
-        "OverlapScheduler.resolve",
-        (
-            "finish_reason(seq, token_id, eos_ids, self.config.max_model_len)",
-            "finish_reason(seq, token_id, eos_ids, self.config.max_model_len + 1)",
-        ),
+        "finished_blocks_kept",
+        "a finished sequence leaves running but its blocks are never given back",
+        "OverlapScheduler.land",
+        ("self.manager.deallocate(seq)", ""),
+    ),
+    mutant(
+        "finished_stays_running",
+        "a finished sequence gives its blocks and row back but stays in the running queue",
+        "OverlapScheduler.land",
+        ("self.running.remove(seq)", ""),
+    ),
+    mutant(
+        "preempted_finish_stays_waiting",
+        "a sequence preempted while its last token was in flight finishes, but stays in the "
+        "waiting queue: it is admitted again",
+        "OverlapScheduler.land",
+        (FINISH, FINISH.replace("    self.waiting.remove(seq)", "    pass")),
     ),
     mutant(
         "preempted_deallocated_again",
-        "a sequence preempted while its last token was in flight is deallocated again when it "
-        "finishes (it holds nothing: the manager fails) and stays in the waiting queue",
-        "OverlapScheduler.resolve",
-        (
-            "if seq in self.waiting:\n    self.waiting.remove(seq)\nelse:\n"
-            "    self.manager.deallocate(seq)\n    self.running.remove(seq)\n"
-            "    self.release(seq)",
-            "self.manager.deallocate(seq)\nself.running.remove(seq)\nself.release(seq)",
-        ),
-    ),
-    # ---- the loop ----
-    mutant(
-        "no_overlap",
-        "the loop waits for the step in flight before it launches the next: correct tokens, "
-        "no overlap",
-        "OverlapEngine.step",
-        (
-            "launched = self._launch() if not self.scheduler.is_finished() else None\n"
-            "if launched is None and self.in_flight is None:\n"
-            "    raise RuntimeError('scheduler produced an empty batch with requests pending')\n"
-            + LOOP,
-            "finished = []\n"
-            "if self.in_flight is not None:\n"
-            "    done, self.in_flight = self.in_flight, None\n"
-            "    finished = self.scheduler.resolve(done, done.token_ids(), self.eos_ids)\n"
-            "launched = self._launch() if not self.scheduler.is_finished() else None\n"
-            "if launched is not None:\n"
-            "    self.scheduler.commit(launched)\n"
-            "    self.in_flight = launched",
-        ),
-    ),
-    mutant(
-        "idle_step_returns",
-        "a step with nothing to launch and nothing in flight returns no sequences instead of "
-        "raising: a loop driving an idle engine spins forever",
-        "OverlapEngine.step",
-        (
-            "raise RuntimeError('scheduler produced an empty batch with requests pending')",
-            "return []",
-        ),
-    ),
-    mutant(
-        "commit_before_resolve",
-        "the new step is committed before the last one resolves: a sequence that ends then "
-        "still owes the discarded step's token",
-        "OverlapEngine.step",
-        (
-            LOOP,
-            "finished = []\nif launched is not None:\n    self.scheduler.commit(launched)\n"
-            "if self.in_flight is not None:\n    done, self.in_flight = self.in_flight, None\n"
-            "    finished = self.scheduler.resolve(done, done.token_ids(), self.eos_ids)\n"
-            "if launched is not None:\n    self.in_flight = launched",
-        ),
+        "a sequence preempted while its last token was in flight is freed again when it "
+        "finishes (it holds nothing, and is not running)",
+        "OverlapScheduler.land",
+        (FINISH, "self.manager.deallocate(seq)\nself.running.remove(seq)\nself.release(seq)"),
     ),
 )
