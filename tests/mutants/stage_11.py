@@ -203,19 +203,20 @@ MUTANTS = (
         "prefix cache only when a later step's commit hashes",
         "OverlapScheduler.land",
         (
-            "if self.prefix_manager is not None and seq.status is SequenceStatus.RUNNING:\n"
-            "    self.prefix_manager.hash_blocks(seq)",
+            "if self.prefix_manager is not None:\n    self.prefix_manager.hash_blocks(seq)",
             "",
         ),
     ),
     mutant(
         "preempted_hashed",
-        "land hashes the blocks of a sequence preempted while its token was in flight: it holds "
-        "none (the prefix manager fails)",
+        "land hashes after every landing, also that of a sequence preempted while its token "
+        "was in flight: it holds no blocks (the prefix manager fails)",
         "OverlapScheduler.land",
         (
-            "self.prefix_manager is not None and seq.status is SequenceStatus.RUNNING",
-            "self.prefix_manager is not None",
+            "if len(gained) > 1:\n    seq.num_cached_tokens += len(gained) - 1\n"
+            "    if self.prefix_manager is not None:\n        self.prefix_manager.hash_blocks(seq)",
+            "seq.num_cached_tokens += len(gained) - 1\nif self.prefix_manager is not None:\n"
+            "    self.prefix_manager.hash_blocks(seq)",
         ),
     ),
     mutant(
