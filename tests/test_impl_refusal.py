@@ -1,7 +1,7 @@
 """A learner file that only re-exports the reference is refused, in one line, before any test
-runs (issue 29): `from nanoserve.engine.loop.overlap_engine import *` would otherwise pass every
-graded
-test of its stage in its author's name. The starter and a genuine copy of the reference load."""
+runs (issue 29): `from nanoserve.engine.runner.persistent_batch import *` would otherwise pass
+every graded test of its stage in its author's name; so is a class that inherits, from the
+reference, a method its starter asks for. The starter and a genuine copy of the reference load."""
 
 from __future__ import annotations
 
@@ -19,12 +19,12 @@ GRADED = [stage.number for stage in STAGES if has_learner_api(stage.number)]
 
 REEXPORTS_11 = {
     "star": (
-        "from nanoserve.engine.loop.overlap_engine import *\n"
-        "from nanoserve.engine.runner.persistent_batch import PersistentBatch\n"
+        "from nanoserve.engine.runner.persistent_batch import *\n"
+        "from nanoserve.engine.loop.scheduler import Scheduler as OverlapScheduler\n"
     ),
     "names": (
-        "from nanoserve.engine.loop.overlap_engine import OverlapEngine, OverlapScheduler\n"
         "from nanoserve.engine.runner.persistent_batch import PersistentBatch\n"
+        "from nanoserve.engine.loop.scheduler import Scheduler as OverlapScheduler\n"
     ),
 }
 
@@ -40,9 +40,12 @@ def reexport(stage: int) -> str:
 def genuine_copy(stage: int) -> str:
     """The reference modules of the stage's API, copied into one learner file, as a learner who
     typed the solution in would have it."""
-    modules = dict.fromkeys(obj.__module__ for obj in learner_api(stage).values())
+    api = learner_api(stage)
+    modules = dict.fromkeys(obj.__module__ for obj in api.values())
     sources = [source_of(module) for module in modules]
-    return "from __future__ import annotations\n" + "\n".join(sources)
+    # stages 11 and 12 name the one Scheduler after their own task (OverlapScheduler, ...)
+    aliases = [f"{name} = {obj.__name__}" for name, obj in api.items() if obj.__name__ != name]
+    return "from __future__ import annotations\n" + "\n".join(sources + aliases) + "\n"
 
 
 def source_of(module: str) -> str:
@@ -63,6 +66,19 @@ def test_a_stage_11_file_that_reexports_the_reference_is_refused_naming_the_firs
     assert len(message.splitlines()) == 1, message
     assert message.startswith(f"--impl {mine} defines none of stage 11_overlap's API"), message
     assert "PersistentBatch is the reference's own" in message, message
+
+
+@pytest.mark.parametrize(
+    ("stage", "name"), [(11, "OverlapScheduler"), (12, "SpeculativeScheduler")]
+)
+def test_a_class_that_inherits_its_tasks_from_the_reference_is_refused(tmp_path, stage, name):
+    mine = tmp_path / "mine.py"
+    starter = (Path(grading.repo_root()) / STAGES[stage].starter).read_text()
+    first_task = grading.starter_methods(stage)[name][0]
+    for body in ("pass", f"{first_task} = Scheduler.{first_task}"):  # inherited, or assigned
+        mine.write_text(starter + f"\n\nclass {name}(Scheduler):\n    {body}\n")
+        with pytest.raises(grading.ImplementationError, match=rf"{name}\.{first_task} is the ref"):
+            grading.load_impl(stage, str(mine))
 
 
 @pytest.mark.parametrize("stage", GRADED)

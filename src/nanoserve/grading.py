@@ -147,19 +147,21 @@ def starter_methods(stage_number: int) -> dict[str, list[str]]:
 
 
 def _refuse_inherited_tasks(stage_number: int, impl: str, api: dict[str, object]) -> None:
-    """ImplementationError, one line, when a class of the file inherits, from the reference, a
-    method its starter asks the learner to write (stages 11 and 12 subclass the one Scheduler,
-    which holds every stage's answer): it would be graded without being written."""
+    """ImplementationError, one line, when a class of the file takes from the reference (by
+    inheriting it, or by assigning it) a method its starter asks the learner to write (stages 11
+    and 12 subclass the one Scheduler, which holds every stage's answer): it would be graded
+    without being written."""
     for name, methods in starter_methods(stage_number).items():
         cls = api.get(name)
         if not isinstance(cls, type) or reference_module(cls):
             continue
         for method in methods:
             owner = next((c for c in cls.__mro__ if method in vars(c)), None)
-            if owner is not None and reference_module(owner):
+            code = None if owner is None else vars(owner)[method]
+            if code is not None and reference_module(code):
                 raise ImplementationError(
-                    f"--impl {impl}: {name}.{method} is inherited from the reference "
-                    f"({owner.__module__}.{owner.__qualname__}); write it in {name} (task of "
+                    f"--impl {impl}: {name}.{method} is the reference's "
+                    f"({code.__module__}.{code.__qualname__}); write it in {name} (a task of "
                     f"{get_stage(stage_number).starter})"
                 )
 

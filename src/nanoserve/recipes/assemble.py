@@ -6,7 +6,7 @@ construction. It decides nothing itself: every choice is the recipe's, the confi
 backend selector's.
 
     load model -> measure the KV budget -> recipe.build -> (stage 08) capture -> ModelRunner
-                                                        (stage 11: OverlapRunner, OverlapEngine)
+                                                        (stage 11: OverlapRunner)
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ unless asked for.
       seq 5  len 10  blocks [3, 4, 5]  slots [21]             position 9: block 5, offset 1
 
 Stage 12's verify steps say how many guesses each sequence made and kept (`guessed 3 kept 1`);
-their len and blocks still count every guess (the line is printed before the rollback).
+their len leaves the guesses out (they live beside token_ids), and their blocks still hold the
+room reserved for them (the line is printed before the room goes back).
 """
 
 from __future__ import annotations
