@@ -147,14 +147,21 @@ def starter_methods(stage_number: int) -> dict[str, list[str]]:
 
 
 def _refuse_inherited_tasks(stage_number: int, impl: str, api: dict[str, object]) -> None:
-    """ImplementationError, one line, when a class of the file takes from the reference (by
-    inheriting it, or by assigning it) a method its starter asks the learner to write (stages 11
-    and 12 subclass the one Scheduler, which holds every stage's answer): it would be graded
-    without being written."""
-    for name, methods in starter_methods(stage_number).items():
-        cls = api.get(name)
-        if not isinstance(cls, type) or reference_module(cls):
+    """ImplementationError, one line, when a class whose starter subclasses its own reference
+    answer (stages 11 and 12 subclass the one Scheduler, which holds every stage's answer) takes
+    from the reference (by inheriting it, or by assigning it) a method the starter asks the
+    learner to write: it would be graded without being written."""
+    tree = ast.parse((repo_root() / get_stage(stage_number).starter).read_text())
+    reference = learner_api(stage_number)
+    for node in tree.body:
+        if not isinstance(node, ast.ClassDef) or node.name not in reference:
             continue
+        # only where the starter's own class subclasses its reference answer (the one Scheduler)
+        bases = {b.id for b in node.bases if isinstance(b, ast.Name)}
+        name, cls = node.name, api.get(node.name)
+        if getattr(reference[name], "__name__", None) not in bases or not isinstance(cls, type):
+            continue
+        methods = [f.name for f in node.body if isinstance(f, ast.FunctionDef)]
         for method in methods:
             owner = next((c for c in cls.__mro__ if method in vars(c)), None)
             code = None if owner is None else vars(owner)[method]
