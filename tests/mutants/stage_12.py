@@ -5,6 +5,7 @@ the verify step, land and settle_guesses after it), one learner bug each."""
 from __future__ import annotations
 
 from tests.mutants import Mutant
+from tests.mutants.stage_11 import FINISH as FINISHED  # land's finish, stage 11's text
 
 RESERVE = "return self.room.reserve(seq, len(seq) + budget) - len(seq)"
 KEPT_KV = """
@@ -14,14 +15,6 @@ if len(gained) > 1:
         self.prefix_manager.hash_blocks(seq)
 """
 HASH = "if self.prefix_manager is not None:\n    self.prefix_manager.hash_blocks(seq)"
-FINISHED = """
-if seq in self.waiting:
-    self.waiting.remove(seq)
-else:
-    self.manager.deallocate(seq)
-    self.running.remove(seq)
-    self.release(seq)
-"""
 JUDGED = "self.speculation.judged(plan, out.tokens)"
 GIVE_BACK = "self.give_back(seq, seq.num_cached_tokens)"
 
