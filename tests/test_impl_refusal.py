@@ -74,7 +74,7 @@ def test_a_stage_11_file_that_reexports_the_reference_is_refused_naming_the_firs
 def test_a_class_that_inherits_its_tasks_from_the_reference_is_refused(tmp_path, stage, name):
     mine = tmp_path / "mine.py"
     starter = (Path(grading.repo_root()) / STAGES[stage].starter).read_text()
-    first_task = grading.starter_methods(stage)[name][0]
+    first_task = grading.starter_classes(stage)[name][1][0]
     for body in ("pass", f"{first_task} = Scheduler.{first_task}"):  # inherited, or assigned
         mine.write_text(starter + f"\n\nclass {name}(Scheduler):\n    {body}\n")
         with pytest.raises(grading.ImplementationError, match=rf"{name}\.{first_task} is the ref"):

@@ -146,7 +146,7 @@ def test_a_starter_imports_nothing_from_the_modules_that_hold_its_stages_solutio
     solution = {obj.__module__ for obj in api.values()}
     bases = {
         base.__module__
-        for name in grading.starter_methods(stage)
+        for name in grading.starter_classes(stage)
         if isinstance(api.get(name), type)
         for base in starter_bases(stage, name)
     }

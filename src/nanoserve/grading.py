@@ -135,12 +135,15 @@ def _refuse_the_reference(stage_number: int, impl: str, api: dict[str, object]) 
     )
 
 
-def starter_methods(stage_number: int) -> dict[str, list[str]]:
-    """Per class of the stage's starter: the methods it defines (the learner's tasks), read
-    from its syntax tree (importing the starter is not needed)."""
+def starter_classes(stage_number: int) -> dict[str, tuple[set[str], list[str]]]:
+    """Per class of the stage's starter: (the names of its bases, the methods it defines: the
+    learner's tasks), read from its syntax tree (importing the starter is not needed)."""
     tree = ast.parse((repo_root() / get_stage(stage_number).starter).read_text())
     return {
-        node.name: [f.name for f in node.body if isinstance(f, ast.FunctionDef)]
+        node.name: (
+            {b.id for b in node.bases if isinstance(b, ast.Name)},
+            [f.name for f in node.body if isinstance(f, ast.FunctionDef)],
+        )
         for node in tree.body
         if isinstance(node, ast.ClassDef)
     }
@@ -151,19 +154,13 @@ def _refuse_inherited_tasks(stage_number: int, impl: str, api: dict[str, object]
     answer (stages 11 and 12 subclass the one Scheduler, which holds every stage's answer) takes
     from the reference (by inheriting it, or by assigning it) a method the starter asks the
     learner to write: it would be graded without being written."""
-    tree = ast.parse((repo_root() / get_stage(stage_number).starter).read_text())
     reference = learner_api(stage_number)
-    for node in tree.body:
-        if not isinstance(node, ast.ClassDef) or node.name not in reference:
-            continue
-        # only where the starter's own class subclasses its reference answer (the one Scheduler)
-        bases = {b.id for b in node.bases if isinstance(b, ast.Name)}
-        name, cls = node.name, api.get(node.name)
-        if getattr(reference[name], "__name__", None) not in bases or not isinstance(cls, type):
-            continue
-        if reference_module(cls):  # the reference's own class, named as the API (a file of
-            continue  # other tasks, as a mutant's): _refuse_the_reference's business
-        methods = [f.name for f in node.body if isinstance(f, ast.FunctionDef)]
+    for name, (bases, methods) in starter_classes(stage_number).items():
+        cls = api.get(name)
+        if getattr(reference.get(name), "__name__", None) not in bases:
+            continue  # the starter's class does not build on its own answer
+        if not isinstance(cls, type) or reference_module(cls):
+            continue  # the reference's own class, named as the API: _refuse_the_reference's
         for method in methods:
             owner = next((c for c in cls.__mro__ if method in vars(c)), None)
             code = None if owner is None else vars(owner)[method]

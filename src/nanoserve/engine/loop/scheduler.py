@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from nanoserve.config import EngineConfig
+from nanoserve.engine.loop.request_rules import finish_reason, is_prefilling, owes_its_last_token
 from nanoserve.engine.memory.kv_manager import (
     KVCacheManager,
     PrefixCachingManager,
@@ -71,16 +72,19 @@ class Scheduler:
         nothing can run until the step in flight lands (stage 11 on)."""
         step = self.num_plans + 1
         spec = self.speculation
-        may_guess = spec is not None and spec.may_guess(self.running, step)
-        if may_guess and any(seq.num_pending for seq in self.running):
+        if (
+            spec is not None
+            and spec.may_guess(self.running, step)
+            and any(seq.num_pending for seq in self.running)
+        ):
             return self._plan([], is_prefill=False)  # a guess needs every token before it
         prefill = self._schedule_prefill()
         if prefill:
             return self._plan(prefill, is_prefill=True)
         seqs = self._schedule_decode()
-        if spec is None or not seqs or not spec.may_guess(seqs, step):
+        budgets = () if spec is None else spec.budgets(seqs, step)  # after each has its room
+        if not any(budgets):
             return self._plan(seqs, is_prefill=False)
-        budgets = spec.budgets(seqs, step)  # after every sequence has room for its own token
         guesses = tuple(self.make_room(seq, b) if b else 0 for seq, b in zip(seqs, budgets))
         return self._plan(seqs, is_prefill=False, guesses=guesses)
 
@@ -279,31 +283,3 @@ class Scheduler:
         """Stage 12: seq's blocks past its first num_tokens tokens go back to the pool."""
         assert self.room is not None, "guesses need a block manager (stage 04's or 07's)"
         self.room.truncate(seq, num_tokens)
-
-
-def is_prefilling(seq: Sequence) -> bool:
-    """True for a running sequence whose prompt is only partly computed (chunked prefill).
-
-    A decode-ready sequence lacks K/V for exactly one token, its newest; one that lacks more is
-    still prefilling. (Lacking exactly one is also the last chunk of a prefill: a decode step
-    computes it the same way, and samples from it.)
-    """
-    return len(seq) - seq.num_cached_tokens > 1
-
-
-def owes_its_last_token(seq: Sequence, max_model_len: int) -> bool:
-    """Stage 11: True when the token the device owes seq ends it by length: no step may follow."""
-    if seq.num_pending == 0:
-        return False
-    completion = seq.num_completion_tokens + seq.num_pending
-    return completion >= seq.params.max_tokens or len(seq) >= max_model_len
-
-
-def finish_reason(seq: Sequence, token_id: int, eos_ids, max_model_len: int) -> str | None:
-    """ "stop" on an EOS or stop token, "length" at max_tokens or max_model_len, else None."""
-    params = seq.params
-    if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_ids):
-        return "stop"
-    if seq.num_completion_tokens >= params.max_tokens or len(seq) >= max_model_len:
-        return "length"
-    return None

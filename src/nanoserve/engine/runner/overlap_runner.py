@@ -125,7 +125,7 @@ class OverlapRunner(ModelRunner):
                 return self.verify(plan, guesses, draft_probs)
         launched = self.launch(plan) if plan.seqs else None
         if guessing:  # nobody guessed: a stage 11 step, and the room goes back
-            self.unsend_room(plan.seqs)
+            self.forget_sent_past(plan.seqs, [len(seq) for seq in plan.seqs])
         earlier, self.in_flight = self.in_flight, launched
         landed = None if earlier is None else earlier.landed()
         if launched is None:
@@ -210,7 +210,9 @@ class OverlapRunner(ModelRunner):
         self.state.record(rows, verdict.token_ids, packed.positions + verdict.num_accepted + 1)
         accepted, drawn = verdict.num_accepted.tolist(), verdict.token_ids.tolist()
         gained = [[*g[:a], t] for g, a, t in zip(guesses, accepted, drawn)]
-        self.cut_sent_tables(seqs, [len(seq) + a for seq, a in zip(seqs, accepted)])
+        for seq in seqs:  # each row's next token and length are on the device now
+            self.state.sampled[self.state.row_of(seq)] = True
+        self.forget_sent_past(seqs, [len(seq) + a for seq, a in zip(seqs, accepted)])
         record_logprobs(seqs, logits, packed.cu_rows, gained)
         return StepOutput(inputs, tuple(range(len(seqs))), gained, None, guesses)
 
@@ -220,23 +222,15 @@ class OverlapRunner(ModelRunner):
         once, not once per row (an eager step, and the CPU's)."""
         return self.graphs is not None and bucket_for(num_rows, self.graphs.buckets) is not None
 
-    def cut_sent_tables(self, seqs: list[Sequence], num_stored: list[int]) -> None:
-        """After a verify step each row's next token and length are on the device, and the
-        scheduler keeps only the blocks of the tokens whose K/V stays (num_stored): past them
-        the device's table entries are stale, and the next growth must send its block again."""
-        for seq, stored in zip(seqs, num_stored):
+    def forget_sent_past(self, seqs: list[Sequence], num_tokens: list[int]) -> None:
+        """The scheduler keeps only the blocks of each sequence's first num_tokens tokens (a
+        rollback, or room for guesses that went unused): past them the device's table entries
+        are stale, so the next growth must send its block again."""
+        for seq, n in zip(seqs, num_tokens):
             row = self.state.row_of(seq)
-            self.state.sampled[row] = True
-            kept = blocks_for(stored, self.packer.block_size)
-            self.state.num_sent[row] = min(self.state.num_sent[row], kept)
-
-    def unsend_room(self, seqs: list[Sequence]) -> None:
-        """A plan whose room for guesses went unused: the scheduler gives those blocks back, so
-        the device must not think it holds them (they are sent again if the table regrows)."""
-        for seq in seqs:
-            row = self.state.row_of(seq)
-            kept = blocks_for(len(seq), self.packer.block_size)
-            self.state.num_sent[row] = min(self.state.num_sent[row], kept)
+            self.state.num_sent[row] = min(
+                self.state.num_sent[row], blocks_for(n, self.packer.block_size)
+            )
 
     def fan_out(self, batch: ScheduledBatch):
         """Stage 09's fan-out; a decode step's ids are not on the host, so rank 0 broadcasts
