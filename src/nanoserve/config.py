@@ -39,7 +39,8 @@ class EngineConfig:
     # False into stage 04's BlockManager in place of the stage's PrefixBlockManager (llm.py)
     speculative_method: str | None = None  # stage 12: "ngram" (prompt lookup) or "draft" (the
     # target's first layers as its own draft); None: the stage's choice (ngram from stage 12)
-    num_speculative_tokens: int = 4  # stage 12: tokens proposed per sequence and step, at most
+    num_speculative_tokens: int | None = None  # stage 12: tokens proposed per sequence and step,
+    # at most; None: by batch size (engine/speculation/policy.py, GUESSES_BY_BATCH)
     prompt_lookup_max: int = 4  # stage 12, ngram: the longest suffix looked up in the sequence
     prompt_lookup_min: int = 1  # stage 12, ngram: the shortest suffix that may propose
     draft_num_layers: int | None = None  # stage 12, draft: the target's layers the draft runs
@@ -104,7 +105,8 @@ class EngineConfig:
         )
 
     def _check_speculation(self) -> None:
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+        self._require_count("num_speculative_tokens", optional=True)
+        for name in ("prompt_lookup_max", "prompt_lookup_min"):
             self._require_count(name, optional=False)
         method = self.speculative_method
         _require(

@@ -85,7 +85,10 @@ ENGINE_FLAG_HELP: dict[str, tuple[str, str]] = {
         "stage 12: who proposes tokens: ngram (prompt lookup) or draft (the target's first layers)",
         "ngram from stage 12",
     ),
-    "num_speculative_tokens": ("stage 12: tokens proposed per sequence and step, at most", "4"),
+    "num_speculative_tokens": (
+        "stage 12: tokens proposed per sequence and step, at most",
+        "by batch size: 4 alone, fewer as the batch grows, none past 32",
+    ),
     "prompt_lookup_max": ("stage 12, ngram: the longest suffix looked up", "4"),
     "prompt_lookup_min": ("stage 12, ngram: the shortest suffix that may propose", "1"),
     "draft_num_layers": ("stage 12, draft: the target's layers the draft runs", "half of them"),

@@ -100,21 +100,26 @@ class ScheduledBatch(NamedTuple):
     sequences of the step and its kind; the sequences that left the running set since the last
     plan (finished, preempted, aborted), whose device rows the runner lets go before it runs this
     one (stage 11: the runner alone writes its device batch); and (stage 12) how many guesses
-    each sequence may take, room for them already reserved in its blocks (() when none may)."""
+    each sequence may take, room for them already reserved in its blocks (() when none may),
+    and the sequences whose tables were cut since the last plan with how many blocks each kept
+    (the runner's device copy of a table is stale past them)."""
 
     seqs: list[Sequence]
     is_prefill: bool
     freed: tuple[Sequence, ...] = ()
     guesses: tuple[int, ...] = ()
+    trimmed: tuple[tuple[Sequence, int], ...] = ()
 
 
 class Landed(NamedTuple):
     """A step whose tokens reached the host: its plan, and per sequence of it the tokens it
     gains ([] for a prefill chunk that samples nothing; [t] after a plain step; the kept guesses
-    then the drawn token after a stage 12 verify step)."""
+    then the drawn token after a stage 12 verify step) and, after a verify step, what each
+    guessed (None: nobody guessed)."""
 
     plan: ScheduledBatch
     tokens: list[list[int]]
+    guesses: list[list[int]] | None = None
 
 
 class StepOutput(NamedTuple):

@@ -14,10 +14,13 @@ Every task runs on a CPU.
       execute   the proposer guesses [9, 8, 2], beside token_ids (never appended to them);
                 verify: one forward over [t 9 8 2] at positions 6..9, the target's verdict
       update    commit: num_cached_tokens 6 -> 7 (t's K/V)
+      (a turn later, its verdict lands while the next step runs)
                 land: gained [9, 4] (kept 9, rejected 8, drew 4)
                       tokens  a b c d | e f t 9 | 4     num_cached_tokens 8 (9's K/V stays)
-                settle_guesses: the back-off hears that 9 was kept; the table keeps the 8
-                      stored tokens: truncate(seq, 8) gives block 7 back -> table [5, 2]
+                settle_guesses: the back-off hears that 9 was kept; the table keeps what the
+                      step in flight writes: 4 at position 9, and its own 2 guesses at 10, 11:
+                      len(seq) + 2 = 12 tokens -> table [5, 2, 7] (nothing in flight for it:
+                      the 8 stored tokens -> table [5, 2], block 7 back to the pool)
 """
 
 from __future__ import annotations
@@ -38,9 +41,10 @@ from nanoserve.types import (  # noqa: F401  (task 3)
 # runner.execute(plan), finished = scheduler.update(plan, out). `schedule` asks the speculation
 # policy (`self.speculation`) for each decode sequence's budget and calls your `make_room`; the
 # runner's proposer guesses within the room you found, and its verify step judges the guesses
-# with your `num_accepted` and `residual` in one forward; `update` commits the step (stage 11's
-# `commit`: the newest token's K/V is stored), calls your `land` with what each sequence gained
-# (its kept guesses, then one drawn token) and then your `settle_guesses`. Also given:
+# with your `num_accepted` and `residual` in one forward, launched like stage 11's steps: its
+# verdict lands one turn later. `update` lands the step before (your `land`, with what each
+# sequence gained: its kept guesses, then one drawn token; then your `settle_guesses`, told the
+# plan just launched, now in flight) and commits the new one (stage 11's `commit`). Also given:
 # `self.room.reserve(seq, num_tokens)` / `self.give_back(seq, num_tokens)` (the block manager's
 # reserve and truncate), `self.release(seq)` and `self.prefix_manager` (None without one).
 
@@ -109,9 +113,11 @@ class SpeculativeScheduler(Scheduler):
         and return how many guesses have room (0 .. budget).
 
         Called by `schedule` for each decode sequence with a budget, after every sequence of the
-        plan has its block for its own newest token. A guess never preempts anyone: ask the block
-        manager to reserve, `self.room.reserve(seq, num_tokens)`, which grows seq's table toward
-        num_tokens tokens with free blocks only and returns how many tokens it has room for.
+        plan has its block for its own newest token. (When seq's step before is still in flight
+        with guesses of its own, `schedule` adds those to the budget: they may all be kept.) A
+        guess never preempts anyone: ask the block manager to reserve,
+        `self.room.reserve(seq, num_tokens)`, which grows seq's table toward num_tokens tokens
+        with free blocks only and returns how many tokens it has room for.
 
             len 7, block_size 4, table [5, 2], 1 free block: budget 3 -> table [5, 2, 7], 3
             the same with no free block: budget 3 -> table [5, 2], 1 (position 7 fits block 2)
@@ -137,11 +143,18 @@ class SpeculativeScheduler(Scheduler):
         """
         raise NotImplementedError("task 3: SpeculativeScheduler.land")
 
-    def settle_guesses(self, plan: ScheduledBatch, out: StepOutput) -> None:
-        """After a plan with guess budgets (plan.guesses[i] for plan.seqs[i]) was updated: the
-        back-off learns what was kept (`self.speculation.judged(plan, out.tokens)`), and each
-        sequence that had a budget and is still RUNNING gives back the blocks past its stored
-        K/V (`self.give_back(seq, seq.num_cached_tokens)`): the room of rejected guesses and
-        the room nobody used. A finished sequence holds nothing to give back.
+    def settle_guesses(self, landed: Landed, in_flight: ScheduledBatch | None) -> None:
+        """After a plan with guess budgets landed (`landed.plan.guesses[i]` for
+        `landed.plan.seqs[i]`, `landed.tokens[i]` what it gained, already appended by `land`):
+        the back-off learns what was kept (`self.speculation.judged(landed.plan,
+        landed.tokens)`), and each sequence that had a budget and is still RUNNING gives back
+        the blocks past what it still needs (`self.give_back(seq, num_tokens)`): the room of
+        rejected guesses and the room nobody used. A finished sequence holds nothing.
+
+        What it still needs: in_flight is the step launched after the landed one, still on the
+        device (None when nothing is). If it runs seq (in_flight.seqs[j], with budget
+        in_flight.guesses[j]; guesses is () when that step guesses nothing), it writes seq's
+        newest token and then its guesses: keep len(seq) + that budget tokens. Otherwise keep
+        the stored K/V, seq.num_cached_tokens.
         """
         raise NotImplementedError("task 3: SpeculativeScheduler.settle_guesses")

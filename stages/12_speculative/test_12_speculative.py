@@ -213,7 +213,7 @@ def decoding(impl, prompt_lens, num_blocks=16, manager_cls=BlockManager, k=3, **
     the sequences it released from then on."""
     config = EngineConfig(max_model_len=64, max_num_seqs=4, block_size=BLOCK_SIZE)
     manager = manager_cls(num_blocks, BLOCK_SIZE)
-    speculation = Speculation(k, config.max_model_len, graph_rows=None)
+    speculation = Speculation(k, config.max_model_len, graph_rows=None, ahead=True)
     scheduler = impl.SpeculativeScheduler(config, manager, (), speculation)
     released = recorded_releases(scheduler)  # whose rows it let go of (told in the next plan)
     for i, n in enumerate(prompt_lens):
@@ -387,6 +387,40 @@ def test_task_3_blocks_full_of_kept_tokens_are_shareable_at_once(impl):
     manager.check_invariants()
 
 
+def test_task_3_a_verdict_landing_under_the_next_step_keeps_that_steps_room(impl):
+    scheduler, manager, plan, _ = decoding(impl, [5, 3])
+    a, b = plan.seqs
+    scheduler.update(plan, StepOutput(None, (0, 1), None))  # launched; its verdict is on the way
+    later = scheduler.schedule()  # launched too: it may guess 3 more each, past 3 kept ones
+    assert later.seqs == [a, b] and later.guesses == (3, 3), later
+    gained, guesses = [[50, 77], [60]], [[50, 51, 52], [61, 62, 63]]
+    scheduler.update(later, StepOutput(None, (0, 1), None, Landed(plan, gained, guesses)))
+    for seq, kept in ((a, 1), (b, 0)):
+        n = len(seq) - 1 + 3  # the later step writes its newest token and 3 guesses
+        assert len(seq.block_table) == blocks_for(n), (
+            f"request {seq.seq_id} kept {kept} guess(es) while the next step ran: that step "
+            f"writes its newest token and 3 guesses (positions {len(seq) - 2} to {n - 1}), so "
+            f"it keeps {blocks_for(n)} blocks; it holds {seq.block_table} "
+            "(give_back(seq, len(seq) + that step's budget))"
+        )
+    manager.check_invariants()
+
+
+def test_task_3_a_plain_step_in_flight_keeps_its_tokens_block(impl):
+    scheduler, manager, plan, _ = decoding(impl, [5])
+    (seq,) = plan.seqs  # 6 tokens, 3 guesses: the table holds 9 tokens' room, 3 blocks
+    scheduler.commit(plan, (0,))
+    landed = Landed(plan, [[50, 51, 77]], [[50, 51, 52]])
+    scheduler.land(landed)  # 9 tokens, 8 stored: the newest, 77, sits at position 8, block 2
+    scheduler.settle_guesses(landed, ScheduledBatch([seq], is_prefill=False))  # no guesses
+    assert len(seq.block_table) == 3, (
+        f"the step in flight feeds 77 at position 8, in the third block, guessing nothing "
+        f"(its guesses are ()); request {seq.seq_id} must keep 9 tokens' room, 3 blocks, yet "
+        f"holds {seq.block_table}"
+    )
+    manager.check_invariants()
+
+
 def test_task_3_the_back_off_learns_who_kept_a_guess(impl):
     scheduler, _, plan, _ = decoding(impl, [5, 3])
     a, b = plan.seqs
@@ -507,8 +541,9 @@ def run(llm: LLM, params) -> list[list[int]]:
             break
         returned += [seq.seq_id for seq in engine.step()]
         engine.manager.check_invariants()
-        for seq in engine.scheduler.running:
-            assert len(seq.block_table) <= blocks_for(len(seq)), (
+        for seq in engine.scheduler.running:  # (and room for the guesses of a step in flight)
+            room = len(seq) + engine.scheduler.guessing.get(seq.seq_id, 0)
+            assert len(seq.block_table) <= blocks_for(room), (
                 f"request {seq.seq_id} of {len(seq)} tokens holds blocks {seq.block_table} "
                 "after a step: the room reserved for guesses was not given back"
             )
@@ -629,10 +664,12 @@ def test_task_4_a_step_with_nothing_to_run_raises(impl, tiny_llama_folder, stage
         engine.step()
         pytest.fail("step() on an engine with no request returned instead of raising")
     seq = engine.add_request(prompts()[1], GREEDY)
-    while engine.runner.in_flight is not None or not seq.completion_token_ids:
+    while not seq.completion_token_ids:
         engine.step()  # its prefill, and the step that lands its first token
-    assert not seq.is_finished
     engine.scheduler.schedule = lambda: ScheduledBatch([], is_prefill=False)  # none can run
+    if engine.runner.in_flight is not None:
+        engine.step()  # an empty plan: the step in flight lands
+    assert not seq.is_finished
     with pytest.raises(RuntimeError, match="scheduler produced an empty batch"):
         engine.step()
         pytest.fail(

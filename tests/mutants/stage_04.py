@@ -39,7 +39,7 @@ MUTANTS = (
         "never asks for a block at block_size 1",
         "BlockManager.can_append",
         (
-            "needs_block = table.num_tokens + 1 > len(table.block_ids) * self.block_size",
+            "needs_block = len(seq) > len(table.block_ids) * self.block_size",
             "needs_block = len(seq) % self.block_size == 1",
         ),
     ),

@@ -15,8 +15,10 @@ if len(gained) > 1:
         self.prefix_manager.hash_blocks(seq)
 """
 HASH = "if self.prefix_manager is not None:\n    self.prefix_manager.hash_blocks(seq)"
-JUDGED = "self.speculation.judged(plan, out.tokens)"
+JUDGED = "self.speculation.judged(landed.plan, landed.tokens)"
 GIVE_BACK = "self.give_back(seq, seq.num_cached_tokens)"
+KEEP_IN_FLIGHT = "self.give_back(seq, len(seq) + later[seq])"
+LATER = "later = dict(zip(in_flight.seqs, in_flight.guesses or [0] * len(in_flight.seqs)))"
 
 
 def mutant(name: str, bug: str, target: str, *edits: tuple[str, str]) -> Mutant:
@@ -235,6 +237,31 @@ MUTANTS = (
         "request ends",
         "SpeculativeScheduler.settle_guesses",
         (GIVE_BACK, "pass"),
+        (KEEP_IN_FLIGHT, "pass"),
+    ),
+    mutant(
+        "room_cut_under_the_step_in_flight",
+        "settle_guesses always keeps only the stored K/V: the step launched after the verdict's "
+        "writes its newest token and guesses into blocks given back (another request may take "
+        "them)",
+        "SpeculativeScheduler.settle_guesses",
+        (
+            "if seq in later:\n    " + KEEP_IN_FLIGHT + "\nelse:\n    " + GIVE_BACK,
+            GIVE_BACK,
+        ),
+    ),
+    mutant(
+        "in_flight_guesses_room_cut",
+        "settle_guesses keeps the newest token of the step in flight but not its guesses' room",
+        "SpeculativeScheduler.settle_guesses",
+        (KEEP_IN_FLIGHT, "self.give_back(seq, len(seq))"),
+    ),
+    mutant(
+        "plain_step_in_flight_missed",
+        "settle_guesses reads the step in flight's budgets only: a step in flight that guesses "
+        "nothing (its guesses are ()) runs nobody, and its newest token's block is given back",
+        "SpeculativeScheduler.settle_guesses",
+        (LATER, "later = dict(zip(in_flight.seqs, in_flight.guesses))"),
     ),
     mutant(
         "given_back_to_the_length",
@@ -248,7 +275,7 @@ MUTANTS = (
         "settle_guesses truncates every sequence with a budget, a finished one too: its table "
         "is gone, and the manager fails",
         "SpeculativeScheduler.settle_guesses",
-        ("budget and seq.status is SequenceStatus.RUNNING", "budget"),
+        ("not budget or seq.status is not SequenceStatus.RUNNING", "not budget"),
     ),
     mutant(
         "back_off_never_told",
@@ -262,6 +289,6 @@ MUTANTS = (
         "settle_guesses tells the policy nothing was gained: a request that kept its guesses "
         "backs off",
         "SpeculativeScheduler.settle_guesses",
-        (JUDGED, "self.speculation.judged(plan, None)"),
+        (JUDGED, "self.speculation.judged(landed.plan, None)"),
     ),
 )

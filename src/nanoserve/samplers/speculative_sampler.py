@@ -93,19 +93,21 @@ def verify(
     draft_probs: torch.Tensor | None,
     tensors: SamplingTensors,
     rule: Rule = RULE,
+    greedy: bool | None = None,
 ) -> Verdict:
     """Judge every row's proposals against the target's logits (T, V) of one verify step.
 
     draft_ids (B, K) padded; num_draft (B,); draft_probs (B, K, V) the proposer's
     distributions, or None for a proposer sure of each guess (n-gram: q = one-hot);
-    tensors.positions (B,) = L_b, the position of each row's first proposal.
+    tensors.positions (B,) = L_b, the position of each row's first proposal. greedy: whether
+    every row is greedy, when the caller knows (None: asked of the device, which waits).
     """
     k = draft_ids.shape[1]
     steps = torch.arange(k + 1, device=logits.device)
     rows = cu_seqlens_q[:-1, None].long() + torch.minimum(steps, num_draft[:, None])  # (B, K+1)
     picked = logits[rows.reshape(-1)]  # (B * (K + 1), V): row i of b scores position L_b + i
     if draft_probs is None:
-        return _verify_sure(picked, draft_ids, num_draft, tensors, rule.num_accepted)
+        return _verify_sure(picked, draft_ids, num_draft, tensors, rule.num_accepted, greedy)
     b, greedy_rows = len(draft_ids), tensors.temperature == 0
     temperature = torch.where(greedy_rows, 1.0, tensors.temperature).repeat_interleave(k + 1)
     scaled = picked.float() / temperature[:, None]  # (B * (K + 1), V)
@@ -140,6 +142,7 @@ def _verify_sure(
     num_draft: torch.Tensor,
     tensors: SamplingTensors,
     num_accepted: Callable,
+    greedy: bool | None = None,
 ) -> Verdict:
     """Every guess certain (q one-hot, the n-gram proposer): draw the target's own token at each
     position, with stage 11's key, and keep guess i while it equals that draw.
@@ -150,7 +153,9 @@ def _verify_sure(
     position: a seeded request gives stage 11's tokens, whatever was guessed.
     """
     b, k = draft_ids.shape
-    if bool((tensors.temperature == 0).all()):  # greedy: each draw is the argmax (no noise)
+    if greedy is None:
+        greedy = bool((tensors.temperature == 0).all())
+    if greedy:  # each draw is the argmax (no noise)
         drawn = picked.argmax(dim=-1)
     else:
         steps = torch.arange(k + 1, device=picked.device)

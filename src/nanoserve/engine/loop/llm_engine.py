@@ -24,7 +24,7 @@ from nanoserve.engine.runner.model_runner import ModelRunner
 from nanoserve.engine.speculation.policy import Speculation, SpeculationStats
 from nanoserve.kernels.backend import BackendChoice
 from nanoserve.sampling import SamplingParams, clamp
-from nanoserve.types import ScheduledBatch, Sequence, StepOutput
+from nanoserve.types import Landed, ScheduledBatch, Sequence, StepOutput
 
 
 class LLMEngine:
@@ -50,7 +50,7 @@ class LLMEngine:
         policy = None
         if getattr(runner, "proposer", None) is not None:
             rows = None if runner.graphs is None else runner.graphs.buckets[-1]
-            policy = Speculation(config.num_speculative_tokens, config.max_model_len, rows)
+            policy = Speculation.of(config, rows, ahead=runner.ahead)
         self.scheduler = scheduler(config, manager, eos_ids, policy)
         # stage 12: proposals made and kept (None: the engine does not guess)
         self.speculation = None if policy is None else SpeculationStats()
@@ -114,23 +114,25 @@ class LLMEngine:
         except BaseException:  # an error or an interrupt inside the step
             self.scheduler.undo(plan)
             raise
+        verdicts = [v for v in verdicts_of(plan, out) if v.guesses is not None]
+        for verdict in verdicts if self.speculation is not None else ():
+            self.speculation = self.speculation.counted(verdict.guesses, verdict.tokens)
         if plan.seqs:
-            self.count_step(plan, out, num_preempted_before)
+            self.count_step(plan, out, num_preempted_before, verdicts)
         return self.scheduler.update(plan, out)
 
-    def count_step(self, plan: ScheduledBatch, out: StepOutput, num_preempted_before: int):
-        """One more step run: the counters, the guesses judged (stage 12), and the on_step
-        callback (e.g. --trace) told."""
+    def count_step(self, plan: ScheduledBatch, out: StepOutput, num_preempted_before: int,
+                   verdicts: list[Landed]) -> None:  # fmt: skip
+        """One more step run: the counters, and the on_step callback (e.g. --trace) told, with
+        the verify steps whose verdicts arrived in it (stage 12)."""
         self.num_steps += 1
         if plan.is_prefill:
             self.num_prefill_tokens += sum(seq.num_scheduled_tokens for seq in plan.seqs)
-        gained = out.tokens if out.guesses is not None else None  # None: no verify step
-        if gained is not None and out.guesses is not None and self.speculation is not None:
-            self.speculation = self.speculation.counted(out.guesses, gained)
         if self.on_step is not None:
             num_preempted = self.scheduler.num_preemptions - num_preempted_before
-            self.on_step(StepRecord(self.num_steps, plan, out.inputs, num_preempted,
-                                    gained, out.guesses))  # fmt: skip
+            self.on_step(
+                StepRecord(self.num_steps, plan, out.inputs, num_preempted, tuple(verdicts))
+            )
 
     def abort(self, seqs: Iterable[Sequence]) -> None:
         """Remove these requests from the queues and free their memory (finished ones: no-op).
@@ -148,3 +150,10 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         """True while some request waits or runs, or a launched step has not landed."""
         return not self.scheduler.is_finished() or self.runner.in_flight is not None
+
+
+def verdicts_of(plan: ScheduledBatch, out: StepOutput) -> list[Landed]:
+    """The steps whose tokens a step's output brings: the one before (stage 11), the plan's own
+    (when they are already here)."""
+    own = [] if out.tokens is None else [Landed(plan, out.tokens, out.guesses)]
+    return ([] if out.earlier is None else [out.earlier]) + own

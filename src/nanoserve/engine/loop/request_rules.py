@@ -18,12 +18,13 @@ def is_prefilling(seq: Sequence) -> bool:
     return len(seq) - seq.num_cached_tokens > 1
 
 
-def owes_its_last_token(seq: Sequence, max_model_len: int) -> bool:
-    """Stage 11: True when the token the device owes seq ends it by length: no step may follow."""
+def owes_its_last_token(seq: Sequence, max_model_len: int, ahead: int = 0) -> bool:
+    """Stage 11: True when the token the device owes seq ends it by length: no step may follow.
+    Stage 12: or may end it, when the step in flight may also keep up to `ahead` guesses."""
     if seq.num_pending == 0:
         return False
-    completion = seq.num_completion_tokens + seq.num_pending
-    return completion >= seq.params.max_tokens or len(seq) >= max_model_len
+    completion = seq.num_completion_tokens + seq.num_pending + ahead
+    return completion >= seq.params.max_tokens or len(seq) + ahead >= max_model_len
 
 
 def finish_reason(seq: Sequence, token_id: int, eos_ids, max_model_len: int) -> str | None:

@@ -56,6 +56,10 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_plans = 0  # plans that ran something (stage 12's back-off counts steps)
         self.freed: list[Sequence] = []  # left the running set since the last plan (`release`)
+        # stage 12: tables cut since the last plan (seq_id -> (seq, blocks kept)), and the guess
+        # budgets of the step in flight (seq_id -> budget), whose gains the host has not seen
+        self.trimmed: dict[int, tuple[Sequence, int]] = {}
+        self.guessing: dict[int, int] = {}
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request (already validated by the engine)."""
@@ -74,24 +78,42 @@ class Scheduler:
         spec = self.speculation
         if (
             spec is not None
+            and not spec.ahead
             and spec.may_guess(self.running, step)
             and any(seq.num_pending for seq in self.running)
         ):
-            return self._plan([], is_prefill=False)  # a guess needs every token before it
+            return self._plan([], is_prefill=False)  # a draft needs every token before it
         prefill = self._schedule_prefill()
         if prefill:
             return self._plan(prefill, is_prefill=True)
         seqs = self._schedule_decode()
-        budgets = () if spec is None else spec.budgets(seqs, step)  # after each has its room
-        if not any(budgets):
+        if spec is None:
             return self._plan(seqs, is_prefill=False)
-        guesses = tuple(self.make_room(seq, b) if b else 0 for seq, b in zip(seqs, budgets))
-        return self._plan(seqs, is_prefill=False, guesses=guesses)
+        ahead = [self.guessing.get(seq.seq_id, 0) for seq in seqs]
+        budgets = spec.budgets(seqs, step, ahead)  # after each has its room
+        if not any(budgets) and not any(ahead):
+            return self._plan(seqs, is_prefill=False)
+        return self._plan_guesses(seqs, budgets, ahead)
+
+    def _plan_guesses(self, seqs: list[Sequence], budgets, ahead: list[int]) -> ScheduledBatch:
+        """Stage 12: room for each sequence's guesses, past the most tokens the step in flight
+        may still gain it (`ahead`: guesses it may keep there); a sequence whose in-flight gains
+        find no room sits this step out (its step lands first, and then it is known)."""
+        planned, guesses = [], []
+        for seq, budget, a in zip(seqs, budgets, ahead):
+            room = self.make_room(seq, a + budget) - a if a or budget else 0
+            if room < 0:
+                seq.num_scheduled_tokens = 0
+                continue
+            planned.append(seq)
+            guesses.append(room)
+        return self._plan(planned, is_prefill=False, guesses=tuple(guesses))
 
     def _plan(self, seqs: list[Sequence], is_prefill: bool, guesses=()) -> ScheduledBatch:
-        """The step, carrying the sequences released since the last plan."""
+        """The step, carrying the sequences released and the tables cut since the last plan."""
         self.num_plans += bool(seqs)
-        return ScheduledBatch(seqs, is_prefill, self.take_freed(), guesses)
+        trimmed, self.trimmed = tuple(self.trimmed.values()), {}
+        return ScheduledBatch(seqs, is_prefill, self.take_freed(), guesses, trimmed)
 
     def take_freed(self) -> tuple[Sequence, ...]:
         """The sequences released since they were last taken (for a plan)."""
@@ -132,7 +154,11 @@ class Scheduler:
     def _schedule_decode(self) -> list[Sequence]:
         """Decode the running sequences, except those whose owed token already ends them (stage
         11: no step may run past a length limit); preempt the newest when memory runs out."""
-        done = [s for s in self.running if owes_its_last_token(s, self.config.max_model_len)]
+        done = [
+            s
+            for s in self.running
+            if owes_its_last_token(s, self.config.max_model_len, self.guessing.get(s.seq_id, 0))
+        ]
         queue = deque(seq for seq in self.running if seq not in done)
         scheduled: list[Sequence] = []
         while queue and len(scheduled) < self.config.max_num_seqs:
@@ -213,12 +239,20 @@ class Scheduler:
         11), then this plan's progress, then its tokens if they are here. The only writer of
         token_ids, num_cached_tokens, num_scheduled_tokens, num_pending and the finish.
         Returns the sequences that finished, in the order they did."""
-        finished = self.land(out.earlier) if out.earlier is not None else []
+        finished = []
+        if out.earlier is not None:
+            finished += self.land(out.earlier)
+            if out.earlier.plan.guesses:  # stage 12: the plan just launched is in flight
+                self.settle_guesses(out.earlier, plan)
         self.commit(plan, out.sampled)
+        self.guessing = {}  # stage 12: the budgets of the step in flight, if it guessed
         if out.tokens is not None:
-            finished += self.land(Landed(plan, out.tokens))
-        if plan.guesses:
-            self.settle_guesses(plan, out)
+            landed = Landed(plan, out.tokens, out.guesses)
+            finished += self.land(landed)
+            if plan.guesses:
+                self.settle_guesses(landed, None)
+        elif plan.guesses:
+            self.guessing = {seq.seq_id: b for seq, b in zip(plan.seqs, plan.guesses) if b}
         return finished
 
     def commit(self, plan: ScheduledBatch, sampled: tuple[int, ...]) -> None:
@@ -270,16 +304,28 @@ class Scheduler:
             finished.append(seq)
         return finished
 
-    def settle_guesses(self, plan: ScheduledBatch, out: StepOutput) -> None:
-        """Stage 12, after a plan with guess budgets: the back-off learns what was kept, and the
-        blocks reserved past each sequence's stored K/V (rejected guesses, unused room) go back."""
+    def settle_guesses(self, landed: Landed, in_flight: ScheduledBatch | None) -> None:
+        """Stage 12, after a plan with guess budgets landed: the back-off learns what was kept,
+        and each sequence gives back the blocks past what it still needs (rejected guesses,
+        unused room): its stored K/V; or, when in_flight (the step launched after the landed
+        one, still running) runs it too, the len(seq) + budget tokens that step writes."""
         if self.speculation is not None:
-            self.speculation.judged(plan, out.tokens)
-        for seq, budget in zip(plan.seqs, plan.guesses):
-            if budget and seq.status is SequenceStatus.RUNNING:
+            self.speculation.judged(landed.plan, landed.tokens)
+        later: dict[Sequence, int] = {}
+        if in_flight is not None:  # its guesses are () when it guesses nothing
+            later = dict(zip(in_flight.seqs, in_flight.guesses or [0] * len(in_flight.seqs)))
+        for seq, budget in zip(landed.plan.seqs, landed.plan.guesses):
+            if not budget or seq.status is not SequenceStatus.RUNNING:
+                continue
+            if seq in later:  # that step writes seq's newest token, then its own guesses
+                self.give_back(seq, len(seq) + later[seq])
+            else:
                 self.give_back(seq, seq.num_cached_tokens)
 
     def give_back(self, seq: Sequence, num_tokens: int) -> None:
-        """Stage 12: seq's blocks past its first num_tokens tokens go back to the pool."""
+        """Stage 12: seq's blocks past its first num_tokens tokens go back to the pool; the next
+        plan tells the runner (`trimmed`), whose device copy of the table is stale past them."""
         assert self.room is not None, "guesses need a block manager (stage 04's or 07's)"
         self.room.truncate(seq, num_tokens)
+        _, kept = self.trimmed.get(seq.seq_id, (seq, len(seq.block_table)))
+        self.trimmed[seq.seq_id] = (seq, min(kept, len(seq.block_table)))

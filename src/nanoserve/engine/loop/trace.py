@@ -9,17 +9,19 @@ unless asked for.
       seq 4  len 13  blocks [0, 1, 2, 6]  slots [24]          position 12: block 6, offset 0
       seq 5  len 10  blocks [3, 4, 5]  slots [21]             position 9: block 5, offset 1
 
-Stage 12's verify steps say how many guesses each sequence made and kept (`guessed 3 kept 1`);
-their len leaves the guesses out (they live beside token_ids), and their blocks still hold the
-room reserved for them (the line is printed before the room goes back).
+Stage 12's verify steps say how many guesses each sequence may take (`may guess 3`; their len
+leaves the guesses out: they live beside token_ids, and their blocks hold the room reserved for
+them). A verify step's verdict comes back with a later step, which says what each sequence of it
+guessed and kept (`verdict: seq 4 guessed 3 kept 1`), before the room goes back.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 from nanoserve.engine.memory.kv_manager import CountsBlocks, CountsRefs, CountsSlabs
-from nanoserve.types import ScheduledBatch, StepInputs
+from nanoserve.types import Landed, ScheduledBatch, StepInputs
 
 
 class StepRecord(NamedTuple):
@@ -29,8 +31,7 @@ class StepRecord(NamedTuple):
     batch: ScheduledBatch
     inputs: StepInputs
     num_preempted: int  # sequences preempted while scheduling this step
-    gained: list[list[int]] | None = None  # stage 12's verify step: kept guesses + drawn token
-    guesses: list[list[int]] | None = None  # stage 12: what each sequence guessed
+    verdicts: tuple[Landed, ...] = ()  # stage 12: verify steps whose tokens arrived in it
 
 
 def free_memory(manager) -> str:
@@ -46,7 +47,10 @@ def slots_per_seq(record: StepRecord) -> list[list[int]]:
     """The slots each sequence's new tokens were written to (-1: not stored, stage 00)."""
     md = record.inputs.metadata
     slots, bounds = md.slot_mapping.tolist(), md.host.cu_seqlens_q
-    return [slots[bounds[i] : bounds[i + 1]] for i in range(md.num_seqs)]
+    rows = [1 + b for b in record.batch.guesses]  # stage 12: a decode row per token judged
+    if md.num_seqs != len(record.batch.seqs) and sum(rows) == md.num_seqs:
+        bounds = list(itertools.accumulate(rows, initial=0))
+    return [slots[bounds[i] : bounds[i + 1]] for i in range(len(bounds) - 1)]
 
 
 def short(values: list, limit: int = 12) -> str:
@@ -69,7 +73,7 @@ def blocks_with_refs(block_ids: list[int], manager) -> str:
 def format_step(record: StepRecord, manager) -> str:
     """A header line for the step, then one line per sequence in the batch."""
     kind = "prefill" if record.batch.is_prefill else "decode"
-    if record.gained is not None:
+    if any(record.batch.guesses):
         kind = "verify"
     lines = [
         f"step {record.step} {kind}  seqs {len(record.batch.seqs)}  {free_memory(manager)}  "
@@ -81,8 +85,12 @@ def format_step(record: StepRecord, manager) -> str:
             where = f"slab {seq.slab_id}"
         written = f"  slots {short(slots)}" if any(s >= 0 for s in slots) else ""
         lines.append(f"  seq {seq.seq_id}  len {len(seq)}  {where}{written}")
-    if record.gained is not None:  # printed before the rollback: blocks hold the guesses' room
-        guesses = record.guesses or [[] for _ in record.gained]
-        for i, (guessed, gained) in enumerate(zip(guesses, record.gained), start=1):
-            lines[i] = f"{lines[i]}  guessed {len(guessed)} kept {len(gained) - 1}"
+    for i, budget in enumerate(record.batch.guesses, start=1):
+        if budget:
+            lines[i] = f"{lines[i]}  may guess {budget}"
+    for verdict in record.verdicts:  # printed before the rollback
+        for seq, guessed, gained in zip(verdict.plan.seqs, verdict.guesses or [], verdict.tokens):
+            if guessed or len(gained) > 1:
+                lines.append(f"  verdict: seq {seq.seq_id} guessed {len(guessed)} "
+                             f"kept {len(gained) - 1}")  # fmt: skip
     return "\n".join(lines)

@@ -55,8 +55,8 @@ class BlockManager:
 
     def can_append(self, seq: Sequence) -> bool:
         """True when seq's next decode token fits: in its last block, or in one free block."""
-        table = self.tables[seq.seq_id]
-        needs_block = table.num_tokens + 1 > len(table.block_ids) * self.block_size
+        table = self.tables[seq.seq_id]  # (stage 12: it may hold room reserved past len(seq))
+        needs_block = len(seq) > len(table.block_ids) * self.block_size
         return self.num_free_blocks >= int(needs_block)
 
     def may_append(self, seq: Sequence) -> None:

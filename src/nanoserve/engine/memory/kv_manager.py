@@ -152,7 +152,8 @@ def check_blocks_fit(num_tokens: int, what: str, block_size: int, num_blocks: in
 
 
 def grow_table(table, num_tokens: int) -> list[int]:
-    """Grow a BlockTable to hold num_tokens tokens; returns the block ids it had to pull."""
+    """Grow a BlockTable to hold num_tokens tokens; returns the block ids it had to pull. A
+    table that holds that many already (stage 12: room reserved for guesses) stays as it is."""
     num_blocks_before = len(table.block_ids)
-    table.append(num_tokens - table.num_tokens)
+    table.append(max(0, num_tokens - table.num_tokens))
     return table.block_ids[num_blocks_before:]

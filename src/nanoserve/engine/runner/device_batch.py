@@ -103,24 +103,74 @@ class DeviceBatch:
         return packed[:n]
 
     def decode_inputs(
-        self, seqs: Seq[Sequence], rows: torch.Tensor, out: StepInputs | None = None
+        self,
+        seqs: Seq[Sequence],
+        rows: torch.Tensor,
+        out: StepInputs | None = None,
+        lens: list[int] | None = None,
     ) -> StepInputs:
         """A decode step's inputs computed on the device from the rows (no token leaves it).
 
         out: tensors to write into (stage 08's static graph buffers, `bucket` rows); rows past
         len(seqs) become padding (slot -1, context length 0). None: fresh tensors of len(seqs).
+        lens: the host's lengths (stage 12: bounds, while a verify step is in flight); None:
+        len(seq), which counts the tokens the host has not seen yet.
         """
-        n = len(seqs)
-        lens = [len(seq) for seq in seqs]  # the host knows lengths (tokens it has not seen count)
-        host = HostMetadata(list(range(n + 1)), lens, [seq.block_table for seq in seqs])
+        lens = [len(seq) for seq in seqs] if lens is None else lens
+        tables = [seq.block_table for seq in seqs]
+        host = HostMetadata(list(range(len(seqs) + 1)), lens, tables)
+        ids = self.next_token_ids[rows]
+        return self.fill_rows(rows, self.seq_lens[rows], ids, host, out)
+
+    def verify_inputs(
+        self,
+        seqs: Seq[Sequence],
+        rows: torch.Tensor,
+        owners: list[int],
+        where: torch.Tensor,
+        guesses: torch.Tensor,
+        most_lens: list[int],
+        out: StepInputs | None = None,
+    ) -> StepInputs:
+        """Stage 12, guessing ahead: a verify step's inputs computed on the device, one decode
+        row per token judged. Row i belongs to seqs[owners[i]] and sits j_i past its newest
+        token (where = [owners | j] on the device): j = 0 feeds the token its step before drew,
+        j > 0 its guess j - 1 (guesses (B, K); -1 where it has none: such a row feeds token 0 and
+        is never judged).
+
+        The host does not know how many tokens the step before gained, so most_lens[i] bounds
+        row i's context from above (the host lists' context_lens are those bounds).
+
+            seq_lens[row] 7, guesses [9, 4]: rows feed (next, 9, 4) at positions 6, 7, 8
+        """
+        owner, j = where.view(2, -1)
+        row_of = rows[owner]
+        guess = guesses[owner, (j - 1).clamp(min=0)].clamp(min=0)
+        ids = torch.where(j == 0, self.next_token_ids[row_of], guess)
+        tables = [seqs[o].block_table for o in owners]
+        host = HostMetadata(list(range(len(owners) + 1)), most_lens, tables)
+        return self.fill_rows(row_of, self.seq_lens[row_of] + j.to(torch.int32), ids, host, out)
+
+    def fill_rows(
+        self,
+        rows: torch.Tensor,
+        ctx: torch.Tensor,
+        ids: torch.Tensor,
+        host: HostMetadata,
+        out: StepInputs | None,
+    ) -> StepInputs:
+        """Decode rows: row i feeds ids[i] at position ctx[i] - 1 of the sequence at device row
+        rows[i], stores it in that position's slot and reads ctx[i] tokens. Written into out
+        (the graphs' static buffers; rows past len(rows) become padding: slot -1, context 0),
+        or into fresh tensors as wide as the longest table."""
+        n = len(host.context_lens)
         if out is None:  # as wide as the longest table (the torch paths gather every column)
             width = max(map(len, host.block_tables), default=0)
             out = static_decode_inputs(n, width, self.device)
         bucket, width = out.metadata.block_tables.shape
         md = out.metadata
-        ctx = self.seq_lens[rows]
         positions = ctx.long() - 1
-        torch.index_select(self.next_token_ids, 0, rows, out=out.input_ids[:n])
+        out.input_ids[:n] = ids
         out.positions[:n] = positions
         md.context_lens[:n] = ctx
         md.cu_seqlens_k[1 : n + 1] = torch.cumsum(ctx, 0)
@@ -131,7 +181,7 @@ class DeviceBatch:
             md.slot_mapping[n:] = -1
             md.context_lens[n:] = 0
             md.cu_seqlens_k[n + 1 :] = md.cu_seqlens_k[n]
-        metadata = md._replace(max_seqlen_k=max(lens, default=0), host=host)
+        metadata = md._replace(max_seqlen_k=max(host.context_lens, default=0), host=host)
         return StepInputs(out.input_ids, out.positions, metadata)
 
     def sampling(

@@ -32,7 +32,6 @@ from typing import NamedTuple, Protocol
 import torch
 import torch.distributed as dist
 
-from nanoserve.engine.memory.kv_manager import blocks_for
 from nanoserve.engine.runner.cuda_graphs import bucket_for
 from nanoserve.engine.runner.device_batch import to_device_ints
 from nanoserve.engine.runner.graph_buffers import view_rows
@@ -62,18 +61,33 @@ class Launched(NamedTuple):
     tokens: torch.Tensor  # (len(sampled),) on the host; pinned and filled late on a GPU
     ready: torch.cuda.Event | None  # fires when `tokens` holds the step's tokens (None: CPU)
     logprobs: PendingLogprobs | None = None  # host copies beside `tokens`, when some row asked
+    num_columns: int = 0  # a verify step's (stage 12): tokens = [drawn | accepted | guesses]
 
     def landed(self) -> Landed:
         """Wait for the step's tokens: per sequence of the batch, [its token], or [] for a
-        prefill chunk that sampled nothing. The logprobs asked for are stored first."""
+        prefill chunk that sampled nothing; after a verify step, its kept guesses then the drawn
+        token (and what it guessed). The logprobs asked for are stored first."""
         if self.ready is not None:
             self.ready.synchronize()
         if self.logprobs is not None:
             self.logprobs.record()
+        values = self.tokens.tolist()
+        if self.num_columns:
+            return verdict_of(self.batch, values, self.num_columns)
         out: list[list[int]] = [[] for _ in self.batch.seqs]
-        for i, token_id in zip(self.sampled, self.tokens.tolist()):
+        for i, token_id in zip(self.sampled, values):
             out[i] = [token_id]
         return Landed(self.batch, out)
+
+
+def verdict_of(batch: ScheduledBatch, values: list[int], k: int) -> Landed:
+    """A verify step's tokens from its host copy [drawn (B) | accepted (B) | guesses (B, k)]:
+    per sequence its kept guesses then its drawn token, and what it guessed (-1: none)."""
+    b = len(batch.seqs)
+    drawn, accepted, flat = values[:b], values[b : 2 * b], values[2 * b :]
+    guesses = [[g for g in flat[i * k : (i + 1) * k] if g >= 0] for i in range(b)]
+    gained = [[*g[:a], t] for g, a, t in zip(guesses, accepted, drawn)]
+    return Landed(batch, gained, guesses)
 
 
 class Proposer(Protocol):
@@ -83,6 +97,13 @@ class Proposer(Protocol):
     def propose(
         self, seqs: list[Sequence], budgets: tuple[int, ...]
     ) -> tuple[list[list[int]], torch.Tensor | None]: ...
+
+
+def guesses_ahead(proposer) -> bool:
+    """True for a proposer that may guess while the step before is still in flight: it looks
+    its guesses up from the tokens the host knows (n-gram), and the device keeps the ones that
+    follow what that step gained (`resolve_ahead`). A draft model needs every token first."""
+    return bool(getattr(proposer, "guesses_ahead", False))
 
 
 def needs_filter(seq: Sequence) -> bool:
@@ -110,28 +131,28 @@ class OverlapRunner(ModelRunner):
         self.in_flight: Launched | None = None  # the step launched last, not yet landed
         self.proposer = None if proposer is None else proposer(self)
         self.rule = rule
+        # stage 12: verify steps launched while the step before is in flight (one GPU, n-gram)
+        self.ahead = guesses_ahead(self.proposer) and self.workers is None
 
     def execute(self, plan: ScheduledBatch) -> StepOutput:
         """Launch the plan's step, then wait for the step in flight before it: its tokens come
         back in `earlier`, the plan's own stay on the device until the next call. A plan with
-        guess budgets is proposed for and verified at once (nothing is in flight then)."""
+        guess budgets launches a verify step the same way (guessing ahead); with a draft model
+        (or across GPUs) it is proposed for and verified at once (nothing is in flight then)."""
         self.forget(plan.freed)  # before any row is handed out: theirs may be reused
-        proposer = self.proposer if any(plan.guesses) else None
-        guessing = proposer is not None
-        if proposer is not None:
+        self.forget_trimmed(plan.trimmed)
+        if any(plan.guesses) and not self.ahead:
             assert self.in_flight is None, "guesses are planned once the step in flight landed"
-            guesses, draft_probs = proposer.propose(plan.seqs, plan.guesses)
+            guesses, draft_probs = self.proposer.propose(plan.seqs, plan.guesses)
             if any(guesses):
                 return self.verify(plan, guesses, draft_probs)
+            plan = plan._replace(guesses=())  # nobody guessed: a stage 11 step
         launched = self.launch(plan) if plan.seqs else None
-        if guessing:  # nobody guessed: a stage 11 step, and the room goes back
-            self.forget_sent_past(plan.seqs, [len(seq) for seq in plan.seqs])
         earlier, self.in_flight = self.in_flight, launched
         landed = None if earlier is None else earlier.landed()
         if launched is None:
             return StepOutput(None, (), [], landed)
-        none: list[list[int]] | None = [[] for _ in plan.seqs] if plan.guesses else None
-        return StepOutput(launched.inputs, tuple(launched.sampled), None, landed, none)
+        return StepOutput(launched.inputs, tuple(launched.sampled), None, landed)
 
     def forget(self, seqs) -> None:
         """Let go of the rows of sequences that left the running set (a plan's `freed`); a
@@ -139,9 +160,26 @@ class OverlapRunner(ModelRunner):
         for seq in seqs:
             self.state.release(seq)
 
+    def forget_trimmed(self, trimmed) -> None:
+        """The scheduler cut these tables (a rollback, or room for guesses that went unused):
+        past the blocks each kept, the device's table entries are stale, so the next growth
+        must send its blocks again."""
+        for seq, num_blocks in trimmed:
+            row = self.state.rows.get(seq.seq_id)
+            if row is not None:
+                self.state.num_sent[row] = min(self.state.num_sent[row], num_blocks)
+
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> Launched:
-        """Queue the batch's forward and sampling on the device; wait for nothing."""
+        """Queue the batch's forward and sampling on the device; wait for nothing. A batch with
+        guess budgets is a verify step, unless nobody's lookup reaches past the tokens in flight
+        (then it runs as this plain step, and its room goes back when it lands)."""
+        if any(batch.guesses):
+            ahead = self.gains_in_flight(batch.seqs)
+            asks = tuple(a + b if b else 0 for a, b in zip(ahead, batch.guesses))
+            proposals, _ = self.proposer.propose(batch.seqs, asks)  # type: ignore[union-attr]
+            if any(len(p) > a for p, a in zip(proposals, ahead)):
+                return self.launch_verify(batch, proposals, ahead)
         seqs = batch.seqs
         rows = self.state.send(seqs)
         host_rows = [self.state.row_of(seq) for seq in seqs]
@@ -181,12 +219,20 @@ class OverlapRunner(ModelRunner):
 
     def decode_inputs(self, seqs: list[Sequence], rows: torch.Tensor) -> tuple[StepInputs, bool]:
         """The decode step built on the device, and whether a graph replays it: then it is
-        written straight into the graphs' static buffers (the bucket's rows, padding included)."""
+        written straight into the graphs' static buffers (the bucket's rows, padding included).
+        The host's lengths are bounds when a verify step is in flight (`most_lens`)."""
         bucket = None if self.graphs is None else bucket_for(len(seqs), self.graphs.buckets)
+        lens = self.most_lens(seqs, self.gains_in_flight(seqs))
         if bucket is None:
-            return self.state.decode_inputs(seqs, rows), False
+            return self.state.decode_inputs(seqs, rows, lens=lens), False
         static = view_rows(self.graphs.static, bucket)  # type: ignore[union-attr]
-        return self.state.decode_inputs(seqs, rows, static), True
+        return self.state.decode_inputs(seqs, rows, static, lens), True
+
+    @staticmethod
+    def most_lens(seqs: list[Sequence], ahead: list[int]) -> list[int]:
+        """The most tokens each sequence may hold once the step in flight lands: its length,
+        plus the guesses that step may keep (ahead - 1 of the tokens it may gain)."""
+        return [len(seq) + max(a - 1, 0) for seq, a in zip(seqs, ahead)]
 
     @torch.inference_mode()
     def verify(
@@ -212,7 +258,6 @@ class OverlapRunner(ModelRunner):
         gained = [[*g[:a], t] for g, a, t in zip(guesses, accepted, drawn)]
         for seq in seqs:  # each row's next token and length are on the device now
             self.state.sampled[self.state.row_of(seq)] = True
-        self.forget_sent_past(seqs, [len(seq) + a for seq, a in zip(seqs, accepted)])
         record_logprobs(seqs, logits, packed.cu_rows, gained)
         return StepOutput(inputs, tuple(range(len(seqs))), gained, None, guesses)
 
@@ -222,15 +267,69 @@ class OverlapRunner(ModelRunner):
         once, not once per row (an eager step, and the CPU's)."""
         return self.graphs is not None and bucket_for(num_rows, self.graphs.buckets) is not None
 
-    def forget_sent_past(self, seqs: list[Sequence], num_tokens: list[int]) -> None:
-        """The scheduler keeps only the blocks of each sequence's first num_tokens tokens (a
-        rollback, or room for guesses that went unused): past them the device's table entries
-        are stale, so the next growth must send its block again."""
-        for seq, n in zip(seqs, num_tokens):
-            row = self.state.row_of(seq)
-            self.state.num_sent[row] = min(
-                self.state.num_sent[row], blocks_for(n, self.packer.block_size)
-            )
+    @torch.inference_mode()
+    def launch_verify(
+        self, batch: ScheduledBatch, proposals: list[list[int]], ahead: list[int]
+    ) -> Launched:
+        """Stage 12, guessing ahead: a verify step queued while the step before may still run.
+
+        The host looks each sequence's guesses up from the tokens it knows, asking for as many
+        more as the step in flight may still gain (`gains_in_flight`); the device keeps those
+        that follow what that step did gain (`resolve_ahead`), builds one decode row per judged
+        token from its own lengths, runs the forward (a graph replay when a bucket fits) and
+        the verdict, and records each row's gain. Nothing waits: the verdict reaches the host
+        with the next step's, as [drawn | accepted | guesses]."""
+        seqs, budgets = batch.seqs, batch.guesses
+        rows = self.state.send(seqs)
+        self.state.prime([self.state.row_of(seq) for seq in seqs], seqs)
+        k = max(budgets)
+        width = max(map(len, proposals), default=0) + 1
+        owners = [b for b, n in enumerate(budgets) for _ in range(n + 1)]
+        steps = [j for n in budgets for j in range(n + 1)]
+        flat = [x for p in proposals for x in p + [-1] * (width - len(p))]
+        known = [len(seq.token_ids) for seq in seqs]
+        packed = to_device_ints(owners + steps + flat + [len(p) for p in proposals] + known
+                                + list(budgets), self.device)  # fmt: skip
+        n, b = len(owners), len(seqs)
+        where, props, lens, known_t, allowed = packed.split([2 * n, b * width, b, b, b])
+        ctx = self.state.seq_lens[rows].long()  # each sequence's first guess sits at ctx
+        guesses, num_draft = resolve_ahead(props.view(b, width), lens, ctx - known_t, allowed, k)
+        most = self.most_lens(seqs, ahead)
+        most_lens = [most[o] + j for o, j in zip(owners, steps)]
+        graphs = self.graphs
+        bucket = None if graphs is None else bucket_for(n, graphs.buckets)
+        if bucket is not None:  # written straight into the graphs' static buffers
+            static = view_rows(graphs.static, bucket)  # type: ignore[union-attr]
+            inputs = self.state.verify_inputs(seqs, rows, owners, where, guesses, most_lens, static)
+            logits = self.model.compute_logits(graphs.replay_filled(n))  # type: ignore[union-attr]
+        else:
+            inputs = self.state.verify_inputs(seqs, rows, owners, where, guesses, most_lens)
+            logits = self.forward(inputs, self.attention, n)
+        assert logits is not None, "rank 0 gathers the logits"
+        cu = torch.cat([torch.zeros(1, dtype=torch.long, device=self.device),
+                        torch.cumsum(allowed + 1, 0)])  # fmt: skip
+        tensors = self.state.sampling(rows, ctx, any(map(needs_filter, seqs)))
+        greedy = all(seq.params.is_greedy for seq in seqs)
+        verdict = verify(logits, cu, guesses, num_draft, None, tensors, self.rule, greedy)
+        accepted, drawn = verdict.num_accepted, verdict.token_ids
+        self.state.record(rows, drawn, ctx + accepted + 1)
+        for seq in seqs:  # each row's next token and length are on the device now
+            self.state.sampled[self.state.row_of(seq)] = True
+        logprobs = pending_logprobs(seqs, logits[cu[:-1]], drawn)  # who asks guesses nothing
+        verdict_ints = torch.cat([drawn, accepted, guesses.flatten()])
+        host, ready = to_host([verdict_ints, *(logprobs.tensors if logprobs is not None else ())])
+        if logprobs is not None:
+            logprobs = logprobs._replace(tensors=LogprobTensors(*host[1:]))
+        return Launched(batch, inputs, list(range(b)), host[0], ready, logprobs, k)
+
+    def gains_in_flight(self, seqs: list[Sequence]) -> list[int]:
+        """Per sequence, the most tokens the step in flight may still gain it: 1 plus its guess
+        budget there, or 0 when nothing of it is in flight."""
+        flight = self.in_flight
+        if flight is None:
+            return [0] * len(seqs)
+        budgets = dict(zip(map(id, flight.batch.seqs), flight.batch.guesses or ()))
+        return [1 + budgets.get(id(seq), 0) if seq.num_pending else 0 for seq in seqs]
 
     def fan_out(self, batch: ScheduledBatch):
         """Stage 09's fan-out; a decode step's ids are not on the host, so rank 0 broadcasts
@@ -239,6 +338,26 @@ class OverlapRunner(ModelRunner):
             return super().fan_out(batch)
         rows = [StepRow([0], len(seq) - 1, seq.block_table) for seq in batch.seqs]
         return self.workers.step(StepMessage(False, rows, len(rows), ids_from_first_rank=True))
+
+
+def resolve_ahead(
+    proposals: torch.Tensor, lens: torch.Tensor, gained: torch.Tensor, budgets: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 12, guessing ahead: each sequence's guesses, picked on the device.
+
+    proposals (B, W): what the host looked up after the tokens it knows (lens[b] of them real,
+    -1 after); the step in flight gained[b] tokens past those (the device's length minus the
+    host's). The guesses are the proposal's tokens after those, at most budgets[b]: the first
+    ones stood for the tokens in flight. Returns the guesses (B, k), -1 padded, and how many
+    each has (B,).
+
+        host knows ... 5 8, proposal [2, 7, 9, 8, 2], the step in flight gained 2 tokens:
+        guesses [9, 8, 2] (kept only if 2 and 7 were what it gained, and the target agrees)
+    """
+    steps = torch.arange(k, device=proposals.device)[None, :]
+    picked = proposals.gather(1, (gained[:, None] + steps).clamp(max=proposals.shape[1] - 1))
+    num = torch.minimum(lens - gained, budgets).clamp(min=0)
+    return torch.where(steps < num[:, None], picked, -1), num
 
 
 def to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:

@@ -41,7 +41,11 @@ def propose_ngram(token_ids: list[int], k: int, max_n: int, min_n: int) -> list[
 
 
 class NgramProposer:
-    """Proposes by `propose_ngram` on the host; each guess is certain (q = one-hot)."""
+    """Proposes by `propose_ngram` on the host; each guess is certain (q = one-hot). It may
+    guess ahead: asked for more tokens than the budget, it looks past the tokens the step in
+    flight will gain, and the device keeps what follows them (runner `resolve_ahead`)."""
+
+    guesses_ahead = True
 
     def __init__(self, max_n: int, min_n: int, lookup=propose_ngram):
         self.max_n, self.min_n, self.lookup = max_n, min_n, lookup

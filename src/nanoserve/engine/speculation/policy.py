@@ -19,6 +19,10 @@ from typing import NamedTuple
 
 from nanoserve.types import Sequence
 
+# (batch size, guesses per sequence): how many a batch of up to that many sequences may take;
+# past the last, none (stage 11's step). Measured on the H200 (docs/benchmarks.md).
+GUESSES_BY_BATCH = ((1, 4), (4, 3), (16, 2), (32, 1), (64, 0))
+
 
 class SpeculationStats(NamedTuple):
     """Proposals made and kept since the engine started."""
@@ -77,29 +81,60 @@ class Backoff:
 
 
 class Speculation:
-    """The scheduler's part of stage 12: each decode plan's guess budgets, and the back-off."""
+    """The scheduler's part of stage 12: each decode plan's guess budgets, and the back-off.
 
-    def __init__(self, num_speculative_tokens: int, max_model_len: int, graph_rows: int | None):
+    ahead: the runner verifies guesses while the step before is in flight (n-gram on one GPU),
+    so plans guess without waiting for it; else (a draft model) a plan guesses only once every
+    token is known. by_batch: (batch size, guesses) steps: a batch of up to that many sequences
+    guesses at most that many each (the widest step's count holds past the last)."""
+
+    def __init__(
+        self,
+        num_speculative_tokens: int,
+        max_model_len: int,
+        graph_rows: int | None,
+        ahead: bool = False,
+        by_batch: tuple[tuple[int, int], ...] = (),
+    ):
         self.k = num_speculative_tokens
         self.max_model_len = max_model_len
         self.graph_rows = graph_rows  # the largest batch a captured graph replays (None: eager)
+        self.ahead = ahead
+        self.by_batch = by_batch
         self.backoff = Backoff()
+
+    @classmethod
+    def of(cls, config, graph_rows: int | None, ahead: bool) -> Speculation:
+        """The policy a config asks for: num_speculative_tokens at every batch size, or, when
+        it is None, GUESSES_BY_BATCH's count for each batch size."""
+        k = config.num_speculative_tokens
+        by_batch = GUESSES_BY_BATCH if k is None else ()
+        k = max(g for _, g in GUESSES_BY_BATCH) if k is None else k
+        return cls(k, config.max_model_len, graph_rows, ahead, by_batch)
 
     def may_guess(self, running, step: int) -> bool:
         """True when some running sequence may guess on this step number (see Backoff); when
         none may, the step is stage 11's, launched before the one in flight has landed."""
         return any(self.backoff.is_open(seq, step) for seq in running)
 
-    def budgets(self, seqs: list[Sequence], step: int) -> tuple[int, ...]:
-        """How many guesses each sequence of a decode plan may take on this step number."""
+    def budgets(self, seqs: list[Sequence], step: int, ahead=None) -> tuple[int, ...]:
+        """How many guesses each sequence of a decode plan may take on this step number; ahead:
+        per sequence, the guesses the step in flight may still keep it (None: none)."""
         k = self.guesses_per_sequence(len(seqs))
-        return tuple(self.budget(seq, k) if self.backoff.is_open(seq, step) else 0 for seq in seqs)
+        ahead = ahead or [0] * len(seqs)
+        return tuple(
+            self.budget(seq, k, a) if self.backoff.is_open(seq, step) else 0
+            for seq, a in zip(seqs, ahead)
+        )
 
-    def budget(self, seq: Sequence, k: int) -> int:
+    def budget(self, seq: Sequence, k: int, ahead: int = 0) -> int:
         """At most k, and few enough that every kept guess plus the token drawn after them stays
-        within max_tokens and max_model_len."""
-        left = seq.params.max_tokens - seq.num_completion_tokens - 1
-        room = self.max_model_len - len(seq) - 1
+        within max_tokens and max_model_len, even when the step in flight keeps `ahead` more.
+        A request that asks for logprobs does not guess ahead (its index must be known)."""
+        if self.ahead and seq.params.logprobs is not None:
+            return 0
+        left = seq.params.max_tokens - (seq.num_completion_tokens + seq.num_pending + ahead) - 1
+        room = self.max_model_len - (len(seq) + ahead) - 1
         return max(0, min(k, left, room))
 
     def guesses_per_sequence(self, num_seqs: int) -> int:
@@ -107,9 +142,14 @@ class Speculation:
         B sequences then guesses at most (largest bucket - B) // B each, so its rows still fit
         the graphs (B = 256 of 512 rows: one guess each). A wide batch gains least from
         guessing anyway: its step already does much work per weight read."""
+        k = self.k
+        for batch, guesses in self.by_batch:
+            k = min(self.k, guesses)
+            if num_seqs <= batch:
+                break
         if self.graph_rows is None:
-            return self.k
-        return max(0, min(self.k, (self.graph_rows - num_seqs) // num_seqs))
+            return k
+        return max(0, min(k, (self.graph_rows - num_seqs) // num_seqs))
 
     def judged(self, plan, tokens: list[list[int]] | None) -> None:
         """After a plan with guess budgets ran: a sequence that kept a guess guesses every step
