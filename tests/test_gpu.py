@@ -212,7 +212,7 @@ def test_stage11_seeded_tokens_on_cuda_ignore_the_batch_around_them():
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_qwen3_shape_bf16_stage12_matches_stage11_on_cuda_up_to_top5(method):
     options = dict(dtype="bfloat16", max_num_seqs=16, max_model_len=1024, block_size=256)
-    options.update(attention_backend="triton", num_kv_blocks=64)
+    options.update(attention_backend="triton", num_kv_blocks=64, num_speculative_tokens=3)
     ref = LLM("qwen3-0.6b", stage=11, **options)
     got = LLM("qwen3-0.6b", stage=12, speculative_method=method, draft_num_layers=8, **options)
     params = SamplingParams(max_tokens=40, ignore_eos=True)

@@ -23,7 +23,14 @@ from .test_overlap import CHUNKED_PREFIX_OPTIONS, PARAMS_14, SHARED_PREFIXES
 from .test_tensor_parallel import CPU, GREEDY, nothing_left_behind, tiny_sharded_model
 
 __all__ = ["nothing_left_behind"]  # the tensor-parallel test below leaves no process behind
-SMALL = dict(device="cpu", dtype="float64", max_model_len=128, max_num_seqs=6, block_size=4)
+SMALL = dict(
+    device="cpu",
+    dtype="float64",
+    max_model_len=128,
+    max_num_seqs=6,
+    block_size=4,
+    num_speculative_tokens=4,
+)  # fmt: skip  (guesses at every batch size)
 
 
 class Scripted:
@@ -83,7 +90,13 @@ def test_rollback_with_chunks_a_prefix_cache_and_preemption_leaves_nothing_behin
     prompts, params, options = SHARED_PREFIXES, PARAMS_14, CHUNKED_PREFIX_OPTIONS
     want = [o.token_ids for o in LLM(str(folder), stage=11, **options).generate(prompts, params)]
     lookup = Scripted(prompts, want, 256)
-    llm = LLM(str(folder), stage=12, components={"propose_ngram": lookup}, **options)
+    llm = LLM(
+        str(folder),
+        stage=12,
+        components={"propose_ngram": lookup},
+        num_speculative_tokens=3,
+        **options,
+    )
     checks = []
 
     def check(record):
@@ -116,7 +129,12 @@ def test_a_random_workload_with_aborts_and_a_small_pool_leaks_nothing(tiny_check
     params = [SamplingParams(max_tokens=rng.randrange(1, 20), ignore_eos=True) for _ in prompts]
     options = {**SMALL, "num_kv_blocks": 24, "max_num_seqs": 8}
     lookup = Scripted(prompts, [[rng.randrange(256) for _ in range(40)] for _ in prompts], 256)
-    llm = LLM(str(folder), stage=12, components={"propose_ngram": lookup}, **options)
+    llm = LLM(
+        str(folder),
+        stage=12,
+        components={"propose_ngram": lookup},
+        **options,
+    )
     engine = llm.engine
     seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     steps = 0
@@ -200,7 +218,7 @@ def test_two_ranks_verify_and_give_one_ranks_tokens(tmp_path):
     prompts = [p * 2 for p in prompts]  # repeats give the n-gram lookup something to find
     with LLM(model, stage=11, **CPU) as llm:
         want = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-    with LLM(model, stage=12, tensor_parallel_size=2, **CPU) as llm:
+    with LLM(model, stage=12, tensor_parallel_size=2, num_speculative_tokens=4, **CPU) as llm:
         got = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
         assert llm.engine.speculation.num_proposed > 0
     assert got == want
@@ -269,13 +287,17 @@ def test_a_separate_draft_model_on_pages_of_its_own_gives_stage11s_tokens(tiny_c
     target, _ = tiny_checkpoints["llama"]
     prompts, params, options = SHARED_PREFIXES, PARAMS_14, CHUNKED_PREFIX_OPTIONS
     want = [o.token_ids for o in LLM(str(target), stage=11, **options).generate(prompts, params)]
-    llm = LLM(str(target), stage=12, speculative_model=str(target), **options)
+    llm = LLM(
+        str(target), stage=12, speculative_model=str(target), num_speculative_tokens=4, **options
+    )
     assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
     stats, engine = llm.engine.speculation, llm.engine
     assert stats.num_proposed > 0 and stats.num_accepted == stats.num_proposed, stats
     assert engine.scheduler.num_preemptions > 0 and engine.manager.num_free_blocks == 30
     other, _ = tiny_checkpoints["qwen3"]  # another model of the same vocabulary
-    llm = LLM(str(target), stage=12, speculative_model=str(other), **options)
+    llm = LLM(
+        str(target), stage=12, speculative_model=str(other), num_speculative_tokens=4, **options
+    )
     assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
     assert llm.engine.speculation.num_proposed > 0
 

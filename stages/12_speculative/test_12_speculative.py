@@ -682,7 +682,9 @@ def test_task_4_a_step_with_nothing_to_run_raises(impl, tiny_llama_folder, stage
 def test_task_4_on_a_gpu_your_pieces_give_stage_11s_tokens(impl, tiny_llama_folder):
     options = dict(device="cuda", num_kv_blocks=64, attention_backend="triton", **ENGINE)
     want = LLM(tiny_llama_folder, stage=11, **options).generate(prompts(), GREEDY, use_tqdm=False)
-    llm = LLM(tiny_llama_folder, stage=12, components=parts(impl, impl.propose_ngram), **options)
+    right = Oracle([o.token_ids for o in want], right=True)  # a batch of 4 fills the graphs:
+    llm = LLM(tiny_llama_folder, stage=12, components=parts(impl, right),  # the last one guesses
+              num_speculative_tokens=3, **options)  # fmt: skip
     got = llm.generate(prompts(), GREEDY, use_tqdm=False)
     assert_same_tokens([o.token_ids for o in got], [o.token_ids for o in want], "on a GPU")
     assert llm.engine.speculation.num_accepted > 0

@@ -89,7 +89,8 @@ class Scheduler:
         seqs = self._schedule_decode()
         if spec is None:
             return self._plan(seqs, is_prefill=False)
-        ahead = [self.guessing.get(seq.seq_id, 0) for seq in seqs]
+        guessing = self.guessing
+        ahead = [guessing.get(seq.seq_id, 0) for seq in seqs] if guessing else [0] * len(seqs)
         budgets = spec.budgets(seqs, step, ahead)  # after each has its room
         if not any(budgets) and not any(ahead):
             return self._plan(seqs, is_prefill=False)

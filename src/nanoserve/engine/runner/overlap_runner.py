@@ -222,7 +222,9 @@ class OverlapRunner(ModelRunner):
         written straight into the graphs' static buffers (the bucket's rows, padding included).
         The host's lengths are bounds when a verify step is in flight (`most_lens`)."""
         bucket = None if self.graphs is None else bucket_for(len(seqs), self.graphs.buckets)
-        lens = self.most_lens(seqs, self.gains_in_flight(seqs))
+        flight = self.in_flight  # lengths are bounds only after a verify step in flight
+        guessed = self.ahead and flight is not None and any(flight.batch.guesses)
+        lens = self.most_lens(seqs, self.gains_in_flight(seqs)) if guessed else None
         if bucket is None:
             return self.state.decode_inputs(seqs, rows, lens=lens), False
         static = view_rows(self.graphs.static, bucket)  # type: ignore[union-attr]

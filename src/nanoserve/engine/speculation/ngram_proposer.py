@@ -56,7 +56,23 @@ class NgramProposer:
         """Up to budgets[b] guesses for seqs[b]; no draft distributions (None): every guess is
         certain."""
         guesses = [
-            self.lookup(seq.token_ids, budget, self.max_n, self.min_n)[:budget] if budget else []
+            periodic(self.lookup(seq.token_ids, budget, self.max_n, self.min_n), seq, budget)
+            if budget
+            else []
             for seq, budget in zip(seqs, budgets)
         ]
         return guesses, None
+
+
+def periodic(proposal: list[int], seq: Sequence, k: int) -> list[int]:
+    """A proposal cut short by the sequence's end, carried on as the repeat it is.
+
+    When what followed the match runs up to the newest token, the match sat len(proposal)
+    tokens back and the text repeats with that period, so the guess goes round again:
+    tokens ... 7 7 (match one back): [7] -> [7, 7, 7]; ... 4 5 4 5: [4, 5] -> [4, 5, 4].
+    Guessing ahead needs this most: the newest tokens are still in flight, and the guesses
+    start after them."""
+    n = len(proposal)
+    if 0 < n < k and seq.token_ids[-n:] == proposal:
+        return [proposal[i % n] for i in range(k)]
+    return proposal[:k]
