@@ -10,9 +10,16 @@ device, so the host's work for the next step runs while this one computes:
     host:    schedule N+1 | launch N+1 | wait N -> update (N lands, N+1 commits) | schedule N+2
     device:  ...  step N  ...........  | step N+1 ...................................... |
 
-Stage 12 adds a proposer and a verify step: a plan with guess budgets is proposed for (every
-token before the guesses is known: the scheduler plans guesses only once the step in flight has
-landed) and verified in one forward; its verdict comes back at once.
+Stage 12 adds a proposer and a verify step. With the n-gram proposer on one device a verify
+step is launched like any other (`launch_verify`): the host looks its guesses up past the tokens
+still in flight, the device picks them, judges them and records the gain, and the verdict lands
+with the next step, so guessing steps overlap too:
+
+    host:    schedule V+1 | look up, launch V+1 | wait V -> update (V's verdict lands, V+1 commits)
+    device:  ... verify V (guesses, verdict) ... | verify V+1 ...........................
+
+A draft model needs every token before its guesses, so with one (or across ranks) the scheduler
+plans guesses once the step in flight has landed, and `verify` returns its verdict at once.
 
     launch(batch):  rows = send(seqs)            one small copy: rows + new table entries
                     inputs: prefill from host lists (the prompt is on the host)
