@@ -203,14 +203,14 @@ class Scheduler:
         A prefill's K/V may be half written, so its sequences give their memory back and wait to
         be recomputed, at the front of the queue in their order. A decode step needs nothing: its
         token was never appended, and growth made by may_append is reused by the next decode
-        (room reserved for guesses is given back).
+        (room reserved for this plan's guesses is given back; the step in flight keeps its own).
         """
         for seq in plan.seqs:
             seq.num_scheduled_tokens = 0
         if not plan.is_prefill:
             for seq, budget in zip(plan.seqs, plan.guesses):
-                if budget and seq.status is SequenceStatus.RUNNING:
-                    self.give_back(seq, len(seq))
+                if budget and seq.status is SequenceStatus.RUNNING:  # keep what is in flight
+                    self.give_back(seq, len(seq) + self.guessing.get(seq.seq_id, 0))
             return
         for seq in reversed(plan.seqs):
             if seq in self.running:
