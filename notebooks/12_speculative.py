@@ -19,8 +19,8 @@
 # Stage 12's engine lets the n-gram proposer guess up to k tokens per sequence, checks every
 # guess in one forward pass of the model, keeps the longest run the model agrees with, draws
 # one token of its own after it, and rolls the rest back: the guesses were never part of the
-# sequence (only the kept ones are appended), and the blocks reserved past the stored tokens go
-# back to the pool.
+# sequence (only the kept ones are appended), and the blocks reserved past what the sequence
+# still needs go back to the pool.
 #
 # This notebook runs stage 12 on your CPU with a tiny random model and draws each verify step
 # on the sequences' block tables: which positions were guesses, which were kept, which token the
@@ -72,16 +72,20 @@ print(f"stage 12's lookup, rule and scheduler from {IMPL!r}")
 # ## Three requests, step by step
 #
 # A tiny random Llama (two layers, float64), block size 4, a pool of 32 blocks, up to
-# `num_speculative_tokens = 4` guesses per sequence and step, greedy, 16 tokens each. Two
-# prompts repeat themselves, so the n-gram proposer finds something to copy; the third does
-# not. A random model soon repeats itself too, and then the guesses start to be right.
+# `num_speculative_tokens = 4` guesses per sequence and step (three sequences at once guess
+# nothing by default: `GUESSES_BY_BATCH` guesses only for a sequence alone), greedy, 16 tokens
+# each: the run the stage page traces. Two prompts repeat themselves, so the n-gram proposer
+# finds something to copy; the third does not. A random model soon repeats itself too, and
+# then the guesses start to be right.
 #
-# The engine calls `on_step` once per step with a `StepRecord` (`engine/loop/trace.py`). For a
-# verify step it is called after the step ran and *before* `update`, with `guesses` (per
-# sequence, what the proposer guessed) and `gained` (the kept guesses and the drawn token). At
-# that moment each sequence holds only its tokens from before the step (a guess is never in
-# `token_ids`) and the blocks `make_room` reserved for its guesses; after `step()` returns, its
-# table is what `settle_guesses` left.
+# A verify step is launched while the step before it still runs, and its verdict reaches the
+# host with the next step. The engine calls `on_step` once per step with a `StepRecord`
+# (`engine/loop/trace.py`), after the step was launched and *before* `update`; its `verdicts`
+# are the verify steps whose verdict came back with it (per sequence, what it guessed and what
+# it gained: the kept guesses and the drawn token). At that moment each sequence holds only its
+# tokens from before the verify step (a guess is never in `token_ids`) and the blocks reserved
+# for the guesses of both steps; after `step()` returns, its table is what `settle_guesses`
+# left: what the step still in flight writes.
 
 
 # %%
@@ -92,9 +96,10 @@ class SeqStep(NamedTuple):
     length: int  # L: tokens before the step; the newest, at L - 1, is fed with the guesses
     guesses: list[int]
     gained: list[int]  # kept guesses, then the token the target drew
-    table_before: list[int]  # with the room make_room reserved for the guesses
+    table_before: list[int]  # with the room reserved for the guesses (its step's and the next's)
     table_after: list[int]  # what the rollback left ([] once the sequence finished)
     finished: bool
+    keeps: int  # the tokens' room the rollback must keep (what the step in flight writes)
 
     @property
     def num_kept(self) -> int:
@@ -109,38 +114,42 @@ ENGINE = dict(device="cpu", dtype="float64", block_size=4, num_kv_blocks=32, max
 llm = LLM(folder, stage=12, num_speculative_tokens=4, components=components, **ENGINE)
 engine = llm.engine
 seqs = [engine.add_request(p, PARAMS) for p in PROMPTS]
-pending: list[tuple] = []  # the verify step of the current call, before its rollback
+launched: dict[int, int] = {}  # id(plan) -> the engine step that launched it (plans that guess)
+arrived: list[tuple] = []  # verdicts that came back in the current call, before their rollback
 
 
 def on_step(record) -> None:
-    if record.gained is None:  # a prefill, or a decode step nobody guessed for
-        return
-    for seq, guessed, gained in zip(record.batch.seqs, record.guesses, record.gained):
-        pending.append((seq, len(seq), list(guessed), gained, list(seq.block_table)))
+    if any(record.batch.guesses):
+        launched[id(record.batch)] = record.step
+    # the step just launched is in flight: what it writes for each sequence stays
+    in_flight = dict(zip(record.batch.seqs, record.batch.guesses or [0] * len(record.batch.seqs)))
+    for verdict in record.verdicts:
+        for seq, guessed, gained in zip(verdict.plan.seqs, verdict.guesses, verdict.tokens):
+            length = len(seq.token_ids)  # the owed token is not appended yet
+            if seq in in_flight:  # it writes seq's newest token, then its own guesses
+                keeps = length + len(gained) + in_flight[seq]
+            else:  # only the stored K/V: the newest token and the kept guesses
+                keeps = length + len(gained) - 1
+            before = list(seq.block_table)
+            arrived.append(
+                (launched[id(verdict.plan)], seq, length, guessed, gained, before, keeps)
+            )
 
 
 engine.on_step = on_step
-steps: list[tuple[int, list[SeqStep]]] = []  # (engine step, its sequences), verify steps only
-kinds = []
+by_step: dict[int, list[SeqStep]] = {}  # verify step -> its sequences, once its verdict landed
 while engine.has_unfinished():
-    pending.clear()
-    num_steps = engine.num_steps
-    engine.step()  # a call may only land the step in flight (an empty plan: no step counted)
-    if engine.num_steps > num_steps:
-        kinds.append("verify" if pending else "plain")
-    if pending:
-        steps.append(
-            (
-                engine.num_steps,
-                [
-                    SeqStep(s.seq_id, n, g, gain, list(before), list(s.block_table), s.is_finished)
-                    for s, n, g, gain, before in pending
-                ],
-            )
-        )
+    arrived.clear()
+    engine.step()
+    for step, s, n, g, gain, before, keeps in arrived:
+        after = list(s.block_table)
+        by_step.setdefault(step, []).append(SeqStep(s.seq_id, n, g, gain, before, after,
+                                                    s.is_finished, keeps))  # fmt: skip
+steps = sorted(by_step.items())  # (engine step, its sequences), verify steps only
 stats = engine.speculation
-print(f"{engine.num_steps} steps: {kinds.count('verify')} verify, {kinds.count('plain')} plain")
-assert len(kinds) == engine.num_steps
+assert sum(len(s.guesses) for _, q in steps for s in q) == stats.num_proposed, "a verdict unseen"
+num_plain = engine.num_steps - len(steps)
+print(f"{engine.num_steps} steps: {len(steps)} verify, {num_plain} plain (prefill and decode)")
 print(
     f"{stats.num_proposed} guesses, {stats.num_accepted} kept: acceptance "
     f"{stats.acceptance_rate:.2f}, {stats.tokens_per_step:.2f} tokens per verified sequence-step"
@@ -263,12 +272,13 @@ draw_steps(steps, tokens_of)
 # - **A rejection cuts the run.** Everything right of the first vermillion cell is thrown
 #   away, and the after row ends with the target's own token (blue) in the place of the first
 #   rejected guess.
-# - **A freed block.** When the guesses had opened a block and the rollback keeps no token in
-#   it, the block is given back (hatched); the next step that needs it grows the table again,
-#   usually with the same id (the free list is last in, first out).
+# - **A freed block.** The table before the rollback holds room for the guesses of this step
+#   and of the step launched after it (scheduled as if every guess of this one were kept). The
+#   blocks past what that next step writes go back (hatched); a step that needs one again grows
+#   the table, usually with the same id (the free list is last in, first out).
 # - **The blue token is never stored yet.** The after row's last cell is the token the next step
-#   feeds; the table keeps the blocks of the stored tokens only, so a blue cell that opens a
-#   new block has no block under it until then.
+#   feeds. That step is already running when the verdict lands, so its block stays, with room for
+#   its own guesses; a sequence the next step does not run keeps only its stored tokens.
 #
 # ## Acceptance per step
 #
@@ -310,16 +320,17 @@ plt.show()
 # %% [markdown]
 # ## What must be true
 #
-# At every verify step the rollback keeps exactly the blocks of the stored tokens (`L + kept`,
-# the newest token and the kept guesses included), gives back the rest, and never keeps a
-# rejected guess; a guess is only ever kept in a leading run.
+# At every verify step the rollback keeps exactly the blocks the sequence still needs and gives
+# back the rest: when the step launched after it runs the sequence, what that step writes
+# (`L + gained`, the drawn token included, plus its own budget); otherwise the stored tokens
+# (`L + kept`). A guess is only ever kept in a leading run.
 
 # %%
 for step, step_seqs in steps:
     for s in step_seqs:
         assert s.gained[:-1] == s.guesses[: s.num_kept], f"step {step}: kept a non-leading guess"
         if not s.finished:
-            stored = s.length + s.num_kept
-            assert len(s.table_after) == -(-stored // BLOCK), f"step {step}: blocks of {stored}"
+            blocks = -(-s.keeps // BLOCK)
+            assert len(s.table_after) == blocks, f"step {step}: room for {s.keeps} tokens"
             assert s.table_after == s.table_before[: len(s.table_after)]
-print(f"{len(steps)} verify steps: every rollback kept the blocks of its stored tokens only")
+print(f"{len(steps)} verify steps: every rollback kept just the room still written")
