@@ -87,7 +87,7 @@ ENGINE_FLAG_HELP: dict[str, tuple[str, str]] = {
     ),
     "num_speculative_tokens": (
         "stage 12: tokens proposed per sequence and step, at most",
-        "by batch size: 4 alone, fewer as the batch grows, none past 32",
+        "by batch size (GUESSES_BY_BATCH, measured on the H200)",
     ),
     "prompt_lookup_max": ("stage 12, ngram: the longest suffix looked up", "4"),
     "prompt_lookup_min": ("stage 12, ngram: the shortest suffix that may propose", "1"),

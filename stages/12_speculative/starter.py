@@ -18,8 +18,8 @@ Every task runs on a CPU.
                 land: gained [9, 4] (kept 9, rejected 8, drew 4)
                       tokens  a b c d | e f t 9 | 4     num_cached_tokens 8 (9's K/V stays)
                 settle_guesses: the back-off hears that 9 was kept; the table keeps what the
-                      step in flight writes: 4 at position 9, and its own 2 guesses at 10, 11:
-                      len(seq) + 2 = 12 tokens -> table [5, 2, 7] (nothing in flight for it:
+                      step in flight writes: 4 at position 8, and its own 2 guesses at 9, 10:
+                      len(seq) + 2 = 11 tokens -> table [5, 2, 7] (nothing in flight for it:
                       the 8 stored tokens -> table [5, 2], block 7 back to the pool)
 """
 

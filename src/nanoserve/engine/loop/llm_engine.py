@@ -50,7 +50,7 @@ class LLMEngine:
         policy = None
         if getattr(runner, "proposer", None) is not None:
             rows = None if runner.graphs is None else runner.graphs.buckets[-1]
-            policy = Speculation.of(config, rows, ahead=runner.ahead)
+            policy = Speculation.of(config, rows, ahead=getattr(runner, "ahead", False))
         self.scheduler = scheduler(config, manager, eos_ids, policy)
         # stage 12: proposals made and kept (None: the engine does not guess)
         self.speculation = None if policy is None else SpeculationStats()
@@ -115,8 +115,9 @@ class LLMEngine:
             self.scheduler.undo(plan)
             raise
         verdicts = [v for v in verdicts_of(plan, out) if v.guesses is not None]
-        for verdict in verdicts if self.speculation is not None else ():
-            self.speculation = self.speculation.counted(verdict.guesses, verdict.tokens)
+        for verdict in verdicts:
+            if self.speculation is not None and verdict.guesses is not None:
+                self.speculation = self.speculation.counted(verdict.guesses, verdict.tokens)
         if plan.seqs:
             self.count_step(plan, out, num_preempted_before, verdicts)
         return self.scheduler.update(plan, out)

@@ -140,6 +140,7 @@ class OverlapRunner(ModelRunner):
         self.forget_trimmed(plan.trimmed)
         if any(plan.guesses) and not self.ahead:
             assert self.in_flight is None, "guesses are planned once the step in flight landed"
+            assert self.proposer is not None, "a plan with guesses needs a proposer"
             guesses, draft_probs = self.proposer.propose(plan.seqs, plan.guesses)
             if any(guesses):
                 return self.verify(plan, guesses, draft_probs)
