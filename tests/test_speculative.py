@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.config import EngineConfig
+from nanoserve.engine.speculation.proposers import speculative_method
 from nanoserve.samplers.device_sampler import SamplingTensors
 from nanoserve.samplers.speculative_sampler import verify
 from nanoserve.testing import engine_requests
@@ -65,6 +67,35 @@ def test_stage12_gives_stage11s_greedy_tokens_whatever_the_guesses(tiny_checkpoi
     assert not llm.engine.runner.state.rows and llm.engine.manager.num_free_blocks == (
         llm.engine.manager.num_blocks
     )
+
+
+@pytest.mark.parametrize(
+    "options, method",
+    [
+        ({}, None),
+        ({"num_speculative_tokens": 3}, "ngram"),
+        ({"speculative_method": "ngram"}, "ngram"),
+        ({"speculative_method": "draft"}, "draft"),
+        ({"speculative_model": "tiny-llama"}, "draft"),
+    ],
+    ids=["nothing-asked", "a-count", "ngram", "draft", "a-draft-model"],
+)
+def test_stage12_guesses_only_when_asked(options, method):
+    """Guessing is opt-in (as vLLM's): a method, a draft model or a count asks for it."""
+    assert speculative_method(EngineConfig(**options)) == method
+
+
+def test_stage12_asked_for_nothing_runs_stage11s_steps(tiny_checkpoints):
+    """No proposer, no policy, no guess: the default engine is stage 11's, step for step."""
+    folder, _ = tiny_checkpoints["llama"]
+    options = {k: v for k, v in SMALL.items() if k != "num_speculative_tokens"}
+    prompts = [[5, 6, 7, 8] * 6, [3, 9] * 11]  # text an n-gram lookup would guess
+    eleven = LLM(str(folder), stage=11, **options)
+    twelve = LLM(str(folder), stage=12, **options)
+    assert greedy_tokens(twelve, prompts, 24) == greedy_tokens(eleven, prompts, 24)
+    engine = twelve.engine
+    assert engine.runner.proposer is None and engine.speculation is None
+    assert engine.num_steps == eleven.engine.num_steps
 
 
 def test_the_ngram_and_draft_proposers_give_stage11s_greedy_tokens(tiny_checkpoints):

@@ -38,7 +38,9 @@ class EngineConfig:
     # option does. None: the stage's own choice (on from 07). No recipe reads it: `LLM` turns
     # False into stage 04's BlockManager in place of the stage's PrefixBlockManager (llm.py)
     speculative_method: str | None = None  # stage 12: "ngram" (prompt lookup) or "draft" (the
-    # target's first layers as its own draft); None: the stage's choice (ngram from stage 12)
+    # target's first layers as its own draft); None: off, unless speculative_model (draft) or
+    # num_speculative_tokens (ngram) asks for guessing. Opt-in, as vLLM's: measured on the H200,
+    # guessing did not yet beat stage 11 at every batch size (docs/benchmarks.md, issue 30)
     num_speculative_tokens: int | None = None  # stage 12: tokens proposed per sequence and step,
     # at most; None: by batch size (engine/speculation/policy.py, GUESSES_BY_BATCH)
     prompt_lookup_max: int = 4  # stage 12, ngram: the longest suffix looked up in the sequence

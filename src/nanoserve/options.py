@@ -83,7 +83,7 @@ ENGINE_FLAG_HELP: dict[str, tuple[str, str]] = {
     ),
     "speculative_method": (
         "stage 12: who proposes tokens: ngram (prompt lookup) or draft (the target's first layers)",
-        "ngram from stage 12",
+        "off (opt in: this flag, or --num-speculative-tokens for ngram)",
     ),
     "num_speculative_tokens": (
         "stage 12: tokens proposed per sequence and step, at most",

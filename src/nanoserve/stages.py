@@ -214,9 +214,9 @@ STAGES: tuple[Stage, ...] = (
         number=12,
         stem="12_speculative",
         title="Speculative decoding",
-        summary="n-gram and draft proposers, one-forward verification of k guesses launched "
-        "ahead (overlapped like stage 11's steps), guesses per sequence by batch size, rejection "
-        "sampling, rollback in the block table",
+        summary="n-gram and draft proposers (opt-in, as vLLM's), one-forward verification of k "
+        "guesses launched ahead (overlapped like stage 11's steps), guesses per sequence by "
+        "batch size, rejection sampling, rollback in the block table",
         oracle=11,
         proven_equal_to="stage 11 (greedy); the target's distribution (sampling, by chi-square)",
         reference_modules=(

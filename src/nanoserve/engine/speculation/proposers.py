@@ -11,19 +11,28 @@ from nanoserve.engine.speculation.draft_proposer import Draft, DraftProposer
 from nanoserve.engine.speculation.ngram_proposer import NgramProposer, propose_ngram
 
 
-def speculative_method(config: EngineConfig) -> str:
+def speculative_method(config: EngineConfig) -> str | None:
     """The proposer a config asks for: its speculative_method, else draft when it names a
-    speculative_model, else ngram (as vLLM infers the method from the options given)."""
-    return config.speculative_method or ("draft" if config.speculative_model else "ngram")
+    speculative_model, else ngram when it sets num_speculative_tokens (as vLLM infers the
+    method from the options given); None when it asks for none: guessing is opt-in."""
+    if config.speculative_method is not None:
+        return config.speculative_method
+    if config.speculative_model is not None:
+        return "draft"
+    return None if config.num_speculative_tokens is None else "ngram"
 
 
 def proposer_for(
     config: EngineConfig, lookup=propose_ngram, draft: Draft | None = None
-) -> Callable[[OverlapRunner], Proposer]:
+) -> Callable[[OverlapRunner], Proposer] | None:
     """How the runner builds its proposer: n-gram by `lookup` (a learner's, or ours), the
     separate draft model given (its own pages, built by the recipe), or self-speculation (the
-    target's first layers on the target's pages: draft_num_layers, else half of them)."""
-    if speculative_method(config) == "ngram":
+    target's first layers on the target's pages: draft_num_layers, else half of them). None
+    when the config asks for no guessing: stage 12 then runs stage 11's steps."""
+    method = speculative_method(config)
+    if method is None:
+        return None
+    if method == "ngram":
         max_n, min_n = config.prompt_lookup_max, config.prompt_lookup_min
         return lambda runner: NgramProposer(max_n, min_n, lookup)
     if draft is not None:
