@@ -1,0 +1,127 @@
+"""Stage 13: a KV pool of float8 (e4m3) codes, one power-of-two scale per (block, KV head).
+
+Introduced in stage 13. Each stored K or V value is one byte, an e4m3 code; the value it stands
+for is `code * 2**e`, where `e` is the exponent of its block and KV head. The exponent is the
+smallest that keeps the block's largest magnitude (its amax) within e4m3's 448:
+
+    e = ceil(log2(amax / 448))          amax 3.1 -> 3.1 / 448 = 0.0069 -> e = -7 (2**-7 = 0.0078)
+    code = e4m3(x / 2**e)               x = 1.3 -> 1.3 * 128 = 166.4 -> code 0x76 (160), 1.25
+
+A power of two, because then dividing by the scale and multiplying it back are exact: the only
+rounding is e4m3's own (3 mantissa bits), and a dequantized value is exactly representable in
+bf16, float32 or float64, so stage 11 run on the dequantized values reads the very same numbers.
+
+A block fills over several steps (a prompt, then one token per decode). A write that starts a
+block (offset 0) sets its exponents from its own values; a write into a block that already holds
+tokens keeps the larger of the old and the new exponent per head, and when one grew it rewrites
+the block's older codes at the new scale (`write_run`). An exponent only grows while the block is
+in use, so no stored value is ever clipped.
+
+    pool.codes      [2, L, num_blocks, block_size, H_kv, D]  uint8   (the e4m3 bits)
+    pool.exponents  [2, L, num_blocks, H_kv]                 int32   (scale = 2**exponent)
+"""
+
+from __future__ import annotations
+
+import torch
+
+E4M3_MAX = 448.0  # the largest finite e4m3 value, 1.75 * 2**8 (0x7E); 0x7F is NaN
+SMALLEST_EXPONENT = -64  # an all-zero (or tiny) block: its scale, 2**-64, still a normal float
+KV_CACHE_DTYPES = ("auto", "fp8")  # vLLM's names: auto keeps the model's dtype
+
+
+def scale_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """The smallest integer e with amax <= 448 * 2**e, per element (int32), from amax's bits.
+
+    amax = m * 2**E with m in [1, 2): 448 = 1.75 * 2**8, so e = E - 8 when m <= 1.75, else
+    E - 7. Reading E and m from the float32 bits (no log, no division) makes it exact, and the
+    same on every device."""
+    bits = amax.float().view(torch.int32)
+    exponent = (bits >> 23) - 127
+    above = ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)  # m > 1.75
+    return torch.clamp(exponent - 8 + above, min=SMALLEST_EXPONENT)
+
+
+def power_of_two(exponent: torch.Tensor) -> torch.Tensor:
+    """2**exponent as float32, exactly (built from the bits), for exponents in [-126, 127]."""
+    return ((exponent.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
+def quantize(x: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:
+    """e4m3 codes (uint8) of x (..., H, D) at scale 2**exponent (H,): round to nearest even.
+
+    x / 2**e is within +-448 by the choice of e; the clamp keeps a value from becoming NaN
+    (torch turns e4m3 overflow into NaN) should a caller pass a smaller exponent."""
+    scaled = x.float() * power_of_two(-exponent)[:, None]
+    return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def dequantize(codes: torch.Tensor, exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The values codes (..., H, D) stand for at scale 2**exponent (H,), in dtype (exact)."""
+    values = codes.view(torch.float8_e4m3fn).float() * power_of_two(exponent)[:, None]
+    return values.to(dtype)
+
+
+def write_run(rows: torch.Tensor, block: torch.Tensor, exponents: torch.Tensor, offset: int):
+    """Store rows (n, H, D) at offsets offset.. of one block (block_size, H, D) of codes, whose
+    per-head exponents (H,) are updated in place; offsets before `offset` hold older tokens.
+
+    A fresh block (offset 0) takes the rows' own exponents. Otherwise each head keeps the larger
+    exponent; when any grew, the older codes are requantized at the new scale (by a power of
+    two: exact, but for values that fall below e4m3's normal range)."""
+    new = scale_exponent(rows.float().abs().amax(dim=(0, 2)))  # one amax per head
+    if offset > 0:
+        old = exponents.clone()
+        new = torch.maximum(new, old)
+        if bool((new > old).any()):
+            block[:offset] = quantize(dequantize(block[:offset], old, torch.float32), new)
+    exponents.copy_(new)
+    block[offset : offset + rows.shape[0]] = quantize(rows, new)
+
+
+def runs(slot_mapping: torch.Tensor, block_size: int) -> list[tuple[int, int, int, int]]:
+    """(first token, end token, block, offset) of each run of tokens that write one block:
+    consecutive slots of one block (a sequence's new tokens); slot -1 (padding) is skipped."""
+    found: list[tuple[int, int, int, int]] = []
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        block, offset = divmod(slot, block_size)
+        first, end, last_block, first_offset = found[-1] if found else (0, -1, -1, 0)
+        if end == t and last_block == block and first_offset + t - first == offset:
+            found[-1] = (first, t + 1, block, first_offset)  # the run goes on
+        else:
+            found.append((t, t + 1, block, offset))
+    return found
+
+
+def kv_bytes_per_token_fp8(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int):
+    """One token's K and V codes across the layers, plus its share of the blocks' exponents."""
+    codes = 2 * num_layers * num_kv_heads * head_dim
+    exponents = 2 * num_layers * num_kv_heads * 4  # one int32 per (K/V, layer, block, head)
+    return codes + -(-exponents // block_size)
+
+
+class Fp8KVPool:
+    """The stage 04 pool's layout in e4m3 codes, with each block's per-head exponents."""
+
+    def __init__(self, num_blocks, block_size, num_layers, num_kv_heads, head_dim, dtype, device):
+        shape = (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.codes = torch.zeros(shape, dtype=torch.uint8, device=device)
+        self.exponents = torch.full(
+            (2, num_layers, num_blocks, num_kv_heads), SMALLEST_EXPONENT, dtype=torch.int32,
+            device=device,
+        )  # fmt: skip
+        self.kv = self.codes  # the name the other pools give their tensor
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.dtype = dtype  # what attention computes in: the model's dtype
+        self.device = device
+
+    def layer_caches(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's K and V codes, each (num_blocks, block_size, H_kv, D) uint8."""
+        return self.codes[0, layer_id], self.codes[1, layer_id]
+
+    def layer_scales(self, layer_id: int) -> dict[str, torch.Tensor]:
+        """This layer's K and V exponents, each (num_blocks, H_kv) int32, as the kernels take
+        them (`k_scales=`, `v_scales=`)."""
+        return {"k_scales": self.exponents[0, layer_id], "v_scales": self.exponents[1, layer_id]}
