@@ -70,7 +70,7 @@ def test_a_folder_without_weights_is_rejected(tmp_path):
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"stage": 99}, "stage must be an integer 0..12"),
+        ({"stage": 99}, "stage must be an integer 0..13"),
         ({"dtype": "int8"}, "dtype 'int8' is not supported"),
         ({"max_num_seqs": 0}, r"EngineConfig.max_num_seqs = 0 is invalid"),
     ],

@@ -13,9 +13,9 @@ from .conftest import needs_smollm2
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_manifest_lists_all_thirteen_stages_in_order():
-    assert [s.number for s in STAGES] == list(range(13))
-    assert [s.stem[:2] for s in STAGES] == [f"{n:02d}" for n in range(13)]
+def test_manifest_lists_all_fourteen_stages_in_order():
+    assert [s.number for s in STAGES] == list(range(14))
+    assert [s.stem[:2] for s in STAGES] == [f"{n:02d}" for n in range(14)]
 
 
 def test_every_reference_module_of_an_implemented_stage_exists():

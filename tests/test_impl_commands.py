@@ -12,6 +12,7 @@ import torch
 
 from nanoserve.check import run_check
 from nanoserve.cli import build_parser, main
+from nanoserve.stages import STAGES
 from nanoserve.testing import ServerThread, save_tiny_chat_model
 
 ENGINE = ["--device", "cpu", "--dtype", "float64", "--block-size", "4", "--num-kv-blocks", "64"]
@@ -317,7 +318,7 @@ def check_file_of(stage) -> str | None:
     return found.group(1) if found else None
 
 
-@pytest.mark.parametrize("number", range(13))
+@pytest.mark.parametrize("number", range(len(STAGES)))
 def test_a_lesson_ends_by_running_your_file_exactly_where_the_engine_can(number):
     from nanoserve.learner_parts import learner_parts
     from nanoserve.stages import get_stage

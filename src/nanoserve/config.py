@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 SPECULATIVE_METHODS = ("ngram", "draft")  # stage 12's proposers
+KV_CACHE_DTYPES = ("auto", "fp8")  # vLLM's names: auto keeps the model's dtype; fp8 is e4m3
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ class EngineConfig:
     # (default: half of them, at least one)
     speculative_model: str | None = None  # stage 12, draft: a separate draft model of the same
     # vocabulary (a known name, a preset, a GGUF file or a folder) instead of the target's layers
+    kv_cache_dtype: str = "auto"  # stage 13: "fp8" stores K/V as e4m3 codes with a power-of-two
+    # scale per (block, KV head): half the bytes, lossy; "auto" keeps the model's dtype (exact)
 
     def __post_init__(self):
         for name in (
@@ -81,6 +84,12 @@ class EngineConfig:
             "gpu_memory_utilization",
             fraction,
             "a finite number in (0, 1]",
+        )
+        _require(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            "kv_cache_dtype",
+            self.kv_cache_dtype,
+            f"one of {', '.join(map(repr, KV_CACHE_DTYPES))}",
         )
         backend = self.attention_backend
         _require(

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from nanoserve.config import (
+    KV_CACHE_DTYPES,
     SPECULATIVE_METHODS,
     EngineConfig,
     InvalidOption,
@@ -96,6 +97,10 @@ ENGINE_FLAG_HELP: dict[str, tuple[str, str]] = {
         "stage 12, draft: a separate draft model of the same vocabulary",
         "none: the target's own first layers",
     ),
+    "kv_cache_dtype": (
+        "stage 13: fp8 stores K/V as e4m3 codes (half the bytes, lossy); auto keeps the model's",
+        "auto",
+    ),
 }
 SHORT_FLAGS = {"tensor_parallel_size": ["-tp"]}  # vLLM's
 
@@ -117,6 +122,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             kind.update(choices=("auto", *BACKEND_NAMES))
         elif field.name == "speculative_method":
             kind.update(choices=SPECULATIVE_METHODS)
+        elif field.name == "kv_cache_dtype":
+            kind.update(choices=KV_CACHE_DTYPES)
         elif field.name == "speculative_model":
             kind.update(metavar="MODEL")
         else:

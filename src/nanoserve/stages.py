@@ -230,6 +230,25 @@ STAGES: tuple[Stage, ...] = (
         ),
         has_notebook=True,
     ),
+    Stage(
+        number=13,
+        stem="13_fp8_kv_cache",
+        title="FP8 KV cache",
+        summary="an e4m3 KV pool with a power-of-two scale per (block, KV head): a quantizing "
+        "store kernel, attention kernels that dequantize in registers, twice the tokens in the "
+        "pool (opt-in, kv_cache_dtype='fp8'); the first lossy stage",
+        oracle=12,
+        proven_equal_to="stage 12 (auto); with fp8, stage 11 run on the dequantized K/V (token "
+        "for token), and a measured bound on the loss (KL, perplexity, greedy agreement)",
+        reference_modules=(
+            "cache/fp8.py",
+            "kernels/torch_fp8.py",
+            "kernels/store_fp8.py",
+            "kernels/paged_tiles.py",
+            "recipes/fp8_kv_cache.py",
+        ),
+        has_notebook=True,
+    ),
 )
 
 

@@ -27,7 +27,6 @@ import torch
 
 E4M3_MAX = 448.0  # the largest finite e4m3 value, 1.75 * 2**8 (0x7E); 0x7F is NaN
 SMALLEST_EXPONENT = -64  # an all-zero (or tiny) block: its scale, 2**-64, still a normal float
-KV_CACHE_DTYPES = ("auto", "fp8")  # vLLM's names: auto keeps the model's dtype
 
 
 def scale_exponent(amax: torch.Tensor) -> torch.Tensor:

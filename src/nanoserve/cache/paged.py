@@ -31,3 +31,7 @@ class PagedKVPool:
     def layer_caches(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's K and V views, each (num_blocks, block_size, H_kv, D)."""
         return self.kv[0, layer_id], self.kv[1, layer_id]
+
+    def layer_scales(self, layer_id: int) -> dict[str, torch.Tensor]:
+        """No scales: the values are stored as they are (stage 13's e4m3 pool has some)."""
+        return {}

@@ -53,6 +53,8 @@ def _decode_partition_kernel(
     part_acc_ptr,
     context_lens_ptr,
     block_tables_ptr,
+    k_scales_ptr,  # stage 13: (num_blocks, H_kv) exponents of an e4m3 pool; None otherwise
+    v_scales_ptr,
     q_stride_b,
     q_stride_h,
     out_stride_b,
@@ -102,6 +104,9 @@ def _decode_partition_kernel(
             NUM_KV_HEADS,
             HEAD_DIM,
             BLOCK_SIZE,
+            k_scales_ptr,
+            v_scales_ptr,
+            q_ptr.dtype.element_ty,
         )
         visible = (offs_n < part_end)[None, :]  # the one query is last: it sees all context
         m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, ACC_DTYPE)
@@ -167,9 +172,13 @@ def paged_attention_decode(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query per sequence q (B, H, D) over its context_lens[b] paged positions; (B, H, D)."""
-    group, block_size, head_dim = check_paged_args(q, k_cache, v_cache, block_tables, out)
+    """One query per sequence q (B, H, D) over its context_lens[b] paged positions; (B, H, D).
+    Stage 13: k_scales, v_scales (num_blocks, H_kv) int32 for caches of e4m3 codes (uint8)."""
+    group, block_size, head_dim = check_paged_args(q, k_cache, v_cache, block_tables, out,
+                                                   k_scales, v_scales)  # fmt: skip
     batch, num_heads = q.shape[0], q.shape[1]
     num_kv_heads = k_cache.shape[2]
     if context_lens.shape != (batch,) or block_tables.shape[0] != batch:
@@ -196,6 +205,8 @@ def paged_attention_decode(
         part_acc,
         context_lens,
         block_tables,
+        k_scales,
+        v_scales,
         q.stride(0),
         q.stride(1),
         out.stride(0),

@@ -56,6 +56,8 @@ def _prefill_kernel(
     cu_seqlens_q_ptr,
     context_lens_ptr,
     block_tables_ptr,
+    k_scales_ptr,  # stage 13: (num_blocks, H_kv) exponents of an e4m3 pool; None otherwise
+    v_scales_ptr,
     q_stride_t,
     q_stride_h,
     out_stride_t,
@@ -116,6 +118,9 @@ def _prefill_kernel(
             NUM_KV_HEADS,
             HEAD_DIM,
             BLOCK_SIZE,
+            k_scales_ptr,
+            v_scales_ptr,
+            q_ptr.dtype.element_ty,
         )
         visible = offs_n[None, :] <= q_pos[:, None]  # causal: a row sees keys up to itself
         m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, ACC_DTYPE)
@@ -133,6 +138,9 @@ def _prefill_kernel(
             NUM_KV_HEADS,
             HEAD_DIM,
             BLOCK_SIZE,
+            k_scales_ptr,
+            v_scales_ptr,
+            q_ptr.dtype.element_ty,
         )
         # visible=True: nothing hidden; the compiler drops the select tl.where(True, s, -inf).
         m_i, l_i, acc = online_softmax_step(q, k, v, True, m_i, l_i, acc, qk_scale, ACC_DTYPE)
@@ -157,9 +165,13 @@ def paged_attention_prefill(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of packed new tokens q (T, H, D) over their sequences' pages; (T, H, D)."""
-    group, block_size, head_dim = check_paged_args(q, k_cache, v_cache, block_tables, out)
+    """Causal attention of packed new tokens q (T, H, D) over their sequences' pages; (T, H, D).
+    Stage 13: k_scales, v_scales (num_blocks, H_kv) int32 for caches of e4m3 codes (uint8)."""
+    group, block_size, head_dim = check_paged_args(q, k_cache, v_cache, block_tables, out,
+                                                   k_scales, v_scales)  # fmt: skip
     num_seqs = block_tables.shape[0]
     if cu_seqlens_q.shape != (num_seqs + 1,) or context_lens.shape != (num_seqs,):
         raise ValueError("cu_seqlens_q must be (B + 1,) and context_lens (B,) for B block tables")
@@ -177,6 +189,8 @@ def paged_attention_prefill(
         cu_seqlens_q,
         context_lens,
         block_tables,
+        k_scales,
+        v_scales,
         q.stride(0),
         q.stride(1),
         out.stride(0),

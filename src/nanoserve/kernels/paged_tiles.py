@@ -39,16 +39,50 @@ def load_kv_tile(
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    k_scales_ptr=None,
+    v_scales_ptr=None,
+    DTYPE: tl.constexpr = None,
 ):
-    """K and V of positions offs_n (BLOCK_N,) of one kv head: two (BLOCK_N, BLOCK_D) tiles."""
+    """K and V of positions offs_n (BLOCK_N,) of one kv head: two (BLOCK_N, BLOCK_D) tiles.
+
+    Stage 13: with scale pointers given, the caches hold e4m3 codes and each block one exponent
+    per kv head; the tiles come back dequantized, in DTYPE (the queries' dtype), exactly the
+    values a pool of that dtype would hold after `DequantizedStore`."""
     in_context = offs_n < context_len
     block_id = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=in_context, other=0)
     slot = block_id.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE  # int64: big pools
     row = (slot * NUM_KV_HEADS + kv_head) * HEAD_DIM  # start of (slot, kv_head)'s D values
     mask = in_context[:, None] & (offs_d < HEAD_DIM)[None, :]
-    k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=mask, other=0.0)
-    v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    if k_scales_ptr is None:
+        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=mask, other=0.0)
+        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    else:
+        codes_k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=mask, other=0)
+        codes_v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=mask, other=0)
+        scale_idx = block_id.to(tl.int64) * NUM_KV_HEADS + kv_head  # (BLOCK_N,): each row's block
+        k_exp = tl.load(k_scales_ptr + scale_idx, mask=in_context, other=0)
+        v_exp = tl.load(v_scales_ptr + scale_idx, mask=in_context, other=0)
+        k = (e4m3_value(codes_k) * power_of_two(k_exp)[:, None]).to(DTYPE)
+        v = (e4m3_value(codes_v) * power_of_two(v_exp)[:, None]).to(DTYPE)
     return k, v
+
+
+@triton.jit
+def e4m3_value(code):
+    """The float32 value of e4m3 codes (uint8), from their bits (NumPy, thus the interpreter,
+    has no float8): a normal code's 4 exponent and 3 mantissa bits move into float32's fields
+    (exponent bias 7 -> 127: + 120), a subnormal one (exponent 0) is mantissa * 2**-9."""
+    code = code.to(tl.int32)
+    magnitude = code & 0x7F
+    normal = ((magnitude << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+    value = tl.where(magnitude < 8, magnitude.to(tl.float32) * 0.001953125, normal)
+    return tl.where((code & 0x80) != 0, -value, value)
+
+
+@triton.jit
+def power_of_two(exponent):
+    """2**exponent as float32, exactly, built from the bits (exponent in [-126, 127])."""
+    return ((exponent.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -76,7 +110,9 @@ def online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, ACC_DTYPE: tl
 # ---------------------------------------------------------------------------------------------
 
 
-def check_paged_args(q, k_cache, v_cache, block_tables, out) -> tuple[int, int, int]:
+def check_paged_args(
+    q, k_cache, v_cache, block_tables, out, k_scales=None, v_scales=None
+) -> tuple[int, int, int]:
     """Validate what both kernels assume; return (H // H_kv, block_size, head_dim)."""
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError("q must be (tokens, H, D); caches (num_blocks, block_size, H_kv, D)")
@@ -88,11 +124,26 @@ def check_paged_args(q, k_cache, v_cache, block_tables, out) -> tuple[int, int, 
         raise ValueError("k_cache and v_cache must be contiguous (one layer's view of the pool)")
     if q.stride(2) != 1 or (out is not None and (out.shape != q.shape or out.stride(2) != 1)):
         raise ValueError("q and out must be alike, each with a contiguous last dimension")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+    if k_scales is not None or v_scales is not None:
+        check_fp8_caches(k_cache, v_cache, k_scales, v_scales)
+    elif not (q.dtype == k_cache.dtype == v_cache.dtype):
         raise ValueError(f"q {q.dtype} and the caches {k_cache.dtype} must share one dtype")
     if block_tables.dim() != 2 or block_tables.dtype not in (torch.int32, torch.int64):
         raise ValueError("block_tables must be (B, max_blocks) int32 or int64, padded with -1")
     return num_heads // num_kv_heads, block_size, head_dim
+
+
+def check_fp8_caches(k_cache, v_cache, k_scales, v_scales) -> None:
+    """Stage 13: caches of e4m3 codes (uint8), exponents (num_blocks, H_kv) int32, contiguous."""
+    if k_cache.dtype != torch.uint8 or v_cache.dtype != torch.uint8:
+        raise ValueError(f"with k_scales the caches hold e4m3 codes (uint8), got {k_cache.dtype}")
+    want = (k_cache.shape[0], k_cache.shape[2])
+    for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
+        if scales is None or scales.shape != want or scales.dtype != torch.int32:
+            got = None if scales is None else (tuple(scales.shape), scales.dtype)
+            raise ValueError(f"{name} must be {want} int32 (num_blocks, H_kv), got {got}")
+        if not scales.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (one layer's view of the exponents)")
 
 
 def acc_dtype(q: torch.Tensor):

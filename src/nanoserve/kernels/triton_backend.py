@@ -28,14 +28,15 @@ class TritonPagedAttention:
         prefill=paged_attention_prefill,
         decode=paged_attention_decode,
     ):
-        self.pool = pool  # anything with layer_caches(layer_id) -> (k_cache, v_cache)
+        self.pool = pool  # anything with layer_caches(layer_id) and layer_scales(layer_id)
         self.store, self.prefill, self.decode = store, prefill, decode
 
     def forward(self, layer_id: int, q, k, v, scale: float, metadata: AttentionMetadata):
         """(T, H, D) outputs for the packed new tokens."""
         k_cache, v_cache = self.pool.layer_caches(layer_id)
+        scales = self.pool.layer_scales(layer_id)  # stage 13's exponents; none before
         md = metadata
-        self.store(k, v, k_cache, v_cache, md.slot_mapping)
+        self.store(k, v, k_cache, v_cache, md.slot_mapping, **scales)
         if md.is_prefill:
             return self.prefill(
                 q,
@@ -46,8 +47,9 @@ class TritonPagedAttention:
                 md.block_tables,
                 md.max_seqlen_q,
                 scale,
+                **scales,
             )
-        return self.decode(q, k_cache, v_cache, md.context_lens, md.block_tables, scale)
+        return self.decode(q, k_cache, v_cache, md.context_lens, md.block_tables, scale, **scales)
 
 
 class TritonStoreAttention(TorchPagedAttention):

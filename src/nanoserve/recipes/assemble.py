@@ -85,7 +85,15 @@ def build_runner(
     """Everything of a stage's engine but its loop: what a tensor-parallel worker runs."""
     require_shardable(stage, spec.tp_size)
     recipe = recipe_for(stage)
-    choice = select_attention_backend(config.attention_backend, spec.device, recipe.backends)
+    if config.kv_cache_dtype not in recipe.kv_cache_dtypes:
+        raise ValueError(
+            f"kv_cache_dtype={config.kv_cache_dtype!r} needs stage 13 or later (an e4m3 KV "
+            f"cache); stage {stage} keeps the model's dtype: pass kv_cache_dtype='auto'"
+        )
+    offered = recipe.backends
+    if config.kv_cache_dtype == "fp8":  # flash-attn reads no e4m3 pages
+        offered = tuple(b for b in offered if b != "flash_attn")
+    choice = select_attention_backend(config.attention_backend, spec.device, offered)
     parts = checked_components(stage, recipe, components, choice.name)  # before slow loading
     check_block_size(choice.name, config.block_size)
     if model is None:
@@ -97,6 +105,7 @@ def build_runner(
         spec.device,
         lambda: budget_bytes(model, config, spec),
         spec.tp_size,
+        config.kv_cache_dtype,
     )
     built = recipe.build(config, sizing, parts, choice.name)
     log_choice(choice)

@@ -6,6 +6,7 @@ pieces, so they run these reference kernels).
 
 from __future__ import annotations
 
+from nanoserve.cache.fp8 import Fp8KVPool
 from nanoserve.cache.paged import PagedKVPool
 from nanoserve.config import EngineConfig
 from nanoserve.engine.memory.block_manager import BlockManager
@@ -16,10 +17,13 @@ from nanoserve.recipes.paged_pool import build_pool
 from nanoserve.recipes.recipe import EngineParts, Recipe, Sizing
 
 
-def kernel_attention(pool: PagedKVPool, backend: str, parts: dict) -> AttentionBackend:
+def kernel_attention(pool: PagedKVPool | Fp8KVPool, backend: str, parts: dict) -> AttentionBackend:
     """Triton stores and reads pages in place (prefill and split-K decode); or flash-attn reads
     them (stage 07 on, when installed); or stage 04's torch path when backend is "torch". Triton
-    and flash-attn are imported only for the backend that needs them."""
+    and flash-attn are imported only for the backend that needs them. Stage 13's e4m3 pool gets
+    the quantizing store and the kernels' dequantizing reads (torch or Triton)."""
+    if isinstance(pool, Fp8KVPool):
+        return fp8_attention(pool, backend, parts)
     if backend == "torch":
         return TorchPagedAttention(pool)
     if backend == "flash_attn":
@@ -37,6 +41,22 @@ def kernel_attention(pool: PagedKVPool, backend: str, parts: dict) -> AttentionB
         parts.get("paged_attention_prefill", paged_attention_prefill),
         parts.get("paged_attention_decode", paged_attention_decode),
     )
+
+
+def fp8_attention(pool: Fp8KVPool, backend: str, parts: dict) -> AttentionBackend:
+    """Stage 13: the torch backend with the learner's store and gather (or ours), or the Triton
+    kernels with the quantizing store kernel (flash-attn reads no e4m3 pages: not offered)."""
+    if backend == "torch":
+        from nanoserve.kernels.torch_fp8 import TorchFp8Attention, gather_kv_fp8, store_kvcache_fp8
+
+        store = parts.get("store_kvcache_fp8", store_kvcache_fp8)
+        return TorchFp8Attention(pool, store, parts.get("gather_kv_fp8", gather_kv_fp8))
+    from nanoserve.kernels.paged_decode import paged_attention_decode
+    from nanoserve.kernels.paged_prefill import paged_attention_prefill
+    from nanoserve.kernels.store_fp8 import store_kvcache_fp8 as store_kernel
+    from nanoserve.kernels.triton_backend import TritonPagedAttention
+
+    return TritonPagedAttention(pool, store_kernel, paged_attention_prefill, paged_attention_decode)
 
 
 def build(config: EngineConfig, sizing: Sizing, parts: dict, backend: str) -> EngineParts:

@@ -6,6 +6,7 @@ Later stages keep this pool and change the pieces around it, so `build_pool` is 
 
 from __future__ import annotations
 
+from nanoserve.cache.fp8 import Fp8KVPool
 from nanoserve.cache.paged import PagedKVPool
 from nanoserve.config import EngineConfig
 from nanoserve.engine.memory.block_manager import BlockManager
@@ -14,9 +15,11 @@ from nanoserve.kernels.torch_paged import TorchPagedAttention, gather_kv, store_
 from nanoserve.recipes.recipe import EngineParts, Recipe, Sizing
 
 
-def build_pool(config: EngineConfig, sizing: Sizing) -> PagedKVPool:
-    """The pool: as many blocks as fit the budget (or as config names)."""
-    return PagedKVPool(sizing.num_blocks(config), config.block_size, **sizing.cache_shape())
+def build_pool(config: EngineConfig, sizing: Sizing) -> PagedKVPool | Fp8KVPool:
+    """The pool: as many blocks as fit the budget (or as config names); of e4m3 codes when
+    kv_cache_dtype is "fp8" (stage 13's recipe is the one that accepts it)."""
+    pool = Fp8KVPool if config.kv_cache_dtype == "fp8" else PagedKVPool
+    return pool(sizing.num_blocks(config), config.block_size, **sizing.cache_shape())
 
 
 def build(config: EngineConfig, sizing: Sizing, parts: dict, backend: str) -> EngineParts:

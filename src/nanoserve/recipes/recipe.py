@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import torch
 
 from nanoserve.cache.budget import kv_bytes_per_token, units_in_budget
+from nanoserve.cache.fp8 import kv_bytes_per_token_fp8
 from nanoserve.cache.kv_cache import KVCache
 from nanoserve.config import EngineConfig
 from nanoserve.engine.loop.scheduler import Scheduler
@@ -36,10 +37,18 @@ class Sizing(NamedTuple):
     device: torch.device
     budget_bytes: Callable[[], int]  # measured only when a pool must be sized from it
     tp_size: int = 1  # stage 09: each rank stores only its 1/tp_size of the KV heads
+    kv_cache_dtype: str = "auto"  # stage 13: "fp8" stores a byte per value, plus exponents
 
     def units(self, tokens_per_unit: int, unit: str) -> int:
         """How many slabs or blocks of tokens_per_unit tokens fit the KV budget."""
-        per_token = kv_bytes_per_token(self.model_config, self.dtype) // self.tp_size
+        mc = self.model_config
+        if self.kv_cache_dtype == "fp8":  # this rank's heads, one byte a value
+            heads = mc.num_key_value_heads // self.tp_size
+            per_token = kv_bytes_per_token_fp8(
+                mc.num_hidden_layers, heads, mc.head_dim, tokens_per_unit
+            )
+        else:
+            per_token = kv_bytes_per_token(mc, self.dtype) // self.tp_size
         return units_in_budget(self.budget_bytes(), per_token, tokens_per_unit, unit)
 
     def num_blocks(self, config: EngineConfig) -> int:
@@ -93,4 +102,5 @@ class Recipe:
     backends: tuple[str, ...] = ("torch",)  # the attention backends offered, best first
     parts_run_on: str | None = None  # the one backend that runs the parts (None: every one)
     captures_decode: bool = False  # stage 08: decode steps replay CUDA graphs (on a GPU)
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)  # stage 13 adds "fp8" (EngineConfig's names)
     shards_model: bool = False  # stage 09: the model may span tensor_parallel_size processes

@@ -1,0 +1,109 @@
+"""Stage 13's proof: an engine on an e4m3 KV pool gives stage 11's tokens when stage 11 stores
+the very values the pool holds (`DequantizedStore`: quantize, then dequantize into a pool of the
+model's dtype). The loss is thus confined to `quantize`; its size is bounded in
+tests/test_fp8_loss.py. Also: the pool holds about twice the tokens, and the option's errors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.cache.fp8 import Fp8KVPool
+from nanoserve.cache.paged import PagedKVPool
+from nanoserve.kernels.torch_fp8 import DequantizedStore
+
+from .conftest import TINY_FAMILIES
+from .test_equivalence import greedy_tokens, random_prompts
+from .test_overlap import CHUNKED_PREFIX_OPTIONS, SHARED_PREFIXES
+
+SMALL = dict(
+    device="cpu", dtype="float64", max_model_len=128, max_num_seqs=6, block_size=4, num_kv_blocks=96
+)
+
+
+def on_dequantized_values(llm: LLM) -> LLM:
+    """Stage 11's engine, storing what an e4m3 pool would hold (its attention unchanged)."""
+    attention = llm.engine.runner.attention
+    attention.store = DequantizedStore()
+    return llm
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_stage13_fp8_gives_stage11s_tokens_on_the_dequantized_values(tiny_checkpoints, family):
+    folder, _ = tiny_checkpoints[family]
+    prompts = random_prompts(256)[:6]
+    oracle = on_dequantized_values(LLM(str(folder), stage=11, **SMALL))
+    fp8 = LLM(str(folder), stage=13, kv_cache_dtype="fp8", **SMALL)
+    assert isinstance(fp8.engine.runner.cache, Fp8KVPool)
+    assert greedy_tokens(fp8, prompts, 24) == greedy_tokens(oracle, prompts, 24)
+    assert fp8.engine.manager.num_free_blocks == fp8.engine.manager.num_blocks
+
+
+def test_stage13_fp8_with_chunked_prefill_prefix_caching_and_guesses(tiny_checkpoints):
+    """Blocks filled over several steps (a chunk, then decode; guesses rolled back) grow their
+    exponents and requantize older codes: the oracle must follow every one of those writes."""
+    folder, _ = tiny_checkpoints["llama"]
+    options = dict(CHUNKED_PREFIX_OPTIONS, num_speculative_tokens=3)
+    params = SamplingParams(max_tokens=14, ignore_eos=True)
+    oracle = on_dequantized_values(LLM(str(folder), stage=11, **CHUNKED_PREFIX_OPTIONS))
+    want = [o.token_ids for o in oracle.generate(SHARED_PREFIXES, params, use_tqdm=False)]
+    fp8 = LLM(str(folder), stage=13, kv_cache_dtype="fp8", **options)
+    got = [o.token_ids for o in fp8.generate(SHARED_PREFIXES, params, use_tqdm=False)]
+    assert got == want
+    assert fp8.engine.manager.num_hit_tokens > 0 and fp8.engine.speculation.num_proposed > 0
+
+
+def test_stage13_fp8_sampling_with_a_seed_is_the_oracles(tiny_checkpoints):
+    folder, _ = tiny_checkpoints["qwen3"]
+    prompts = random_prompts(256)[4:8]
+    params = SamplingParams(max_tokens=16, temperature=0.8, seed=7, ignore_eos=True)
+    oracle = on_dequantized_values(LLM(str(folder), stage=11, **SMALL))
+    fp8 = LLM(str(folder), stage=13, kv_cache_dtype="fp8", **SMALL)
+    want = [o.token_ids for o in oracle.generate(prompts, params, use_tqdm=False)]
+    assert [o.token_ids for o in fp8.generate(prompts, params, use_tqdm=False)] == want
+
+
+def test_stage13_fp8_triton_kernels_give_the_oracles_tokens(tiny_checkpoints):
+    """The store kernel quantizes and the attention kernels dequantize in registers (here
+    through Triton's interpreter): the same tokens as stage 11's kernels on the oracle's pool."""
+    pytest.importorskip("triton")
+    folder, _ = tiny_checkpoints["qwen3"]
+    small = dict(SMALL, max_model_len=64, num_kv_blocks=64, attention_backend="triton")
+    prompts = random_prompts(256)[2:5]
+    oracle = on_dequantized_values(LLM(str(folder), stage=11, **small))
+    fp8 = LLM(str(folder), stage=13, kv_cache_dtype="fp8", **small)
+    assert greedy_tokens(fp8, prompts, 8) == greedy_tokens(oracle, prompts, 8)
+
+
+def test_stage13_auto_is_stage12(tiny_checkpoints):
+    """kv_cache_dtype="auto" (the default, as vLLM's) keeps the model's dtype: stage 12 exactly."""
+    folder, _ = tiny_checkpoints["qwen2"]
+    prompts = random_prompts(256)[:4]
+    auto = LLM(str(folder), stage=13, **SMALL)
+    assert type(auto.engine.runner.cache) is PagedKVPool
+    assert greedy_tokens(auto, prompts, 12) == greedy_tokens(
+        LLM(str(folder), stage=12, **SMALL), prompts, 12
+    )
+
+
+def test_the_fp8_pool_holds_about_twice_the_tokens_of_bfloat16(tiny_checkpoints):
+    folder, _ = tiny_checkpoints["llama"]
+    budget = dict(device="cpu", dtype="bfloat16", block_size=16, kv_cache_bytes=1 << 22)
+    auto = LLM(str(folder), stage=13, **budget).engine.manager.num_blocks
+    fp8 = LLM(str(folder), stage=13, kv_cache_dtype="fp8", **budget).engine.manager.num_blocks
+    assert 1.9 <= fp8 / auto <= 2.0, (auto, fp8)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"stage": 13, "kv_cache_dtype": "fp16"}, "kv_cache_dtype"),
+        ({"stage": 12, "kv_cache_dtype": "fp8"}, "needs stage 13"),
+    ],
+)
+def test_a_bad_kv_cache_dtype_names_the_argument(tiny_checkpoints, options, message):
+    folder, _ = tiny_checkpoints["llama"]
+    with pytest.raises(ValueError, match=message):
+        LLM(str(folder), **{**SMALL, **options})
