@@ -7,7 +7,6 @@ tests/test_fp8_loss.py. Also: the pool holds about twice the tokens, and the opt
 from __future__ import annotations
 
 import pytest
-import torch
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.cache.fp8 import Fp8KVPool

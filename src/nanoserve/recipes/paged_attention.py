@@ -13,7 +13,7 @@ from nanoserve.engine.memory.block_manager import BlockManager
 from nanoserve.engine.runner.input_packer import InputPacker
 from nanoserve.kernels.backend import AttentionBackend
 from nanoserve.kernels.torch_paged import TorchPagedAttention
-from nanoserve.recipes.paged_pool import build_pool
+from nanoserve.recipes.paged_pool import build_kv_pool
 from nanoserve.recipes.recipe import EngineParts, Recipe, Sizing
 
 
@@ -61,7 +61,7 @@ def fp8_attention(pool: Fp8KVPool, backend: str, parts: dict) -> AttentionBacken
 
 def build(config: EngineConfig, sizing: Sizing, parts: dict, backend: str) -> EngineParts:
     """Stage 04's pool and manager, attended by the learner's kernels (or ours)."""
-    pool = build_pool(config, sizing)
+    pool = build_kv_pool(config, sizing)
     manager = BlockManager(pool.num_blocks, config.block_size)
     packer = InputPacker(pool.block_size, sizing.device)
     return EngineParts(manager, pool, packer, kernel_attention(pool, backend, parts))

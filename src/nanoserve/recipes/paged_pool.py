@@ -15,11 +15,17 @@ from nanoserve.kernels.torch_paged import TorchPagedAttention, gather_kv, store_
 from nanoserve.recipes.recipe import EngineParts, Recipe, Sizing
 
 
-def build_pool(config: EngineConfig, sizing: Sizing) -> PagedKVPool | Fp8KVPool:
-    """The pool: as many blocks as fit the budget (or as config names); of e4m3 codes when
-    kv_cache_dtype is "fp8" (stage 13's recipe is the one that accepts it)."""
-    pool = Fp8KVPool if config.kv_cache_dtype == "fp8" else PagedKVPool
-    return pool(sizing.num_blocks(config), config.block_size, **sizing.cache_shape())
+def build_pool(config: EngineConfig, sizing: Sizing) -> PagedKVPool:
+    """The pool: as many blocks as fit the budget (or as config names)."""
+    return PagedKVPool(sizing.num_blocks(config), config.block_size, **sizing.cache_shape())
+
+
+def build_kv_pool(config: EngineConfig, sizing: Sizing) -> PagedKVPool | Fp8KVPool:
+    """The pool of the kernel stages (06 on): stage 13's of e4m3 codes when kv_cache_dtype is
+    "fp8" (only stage 13's recipe accepts it), else `build_pool`'s."""
+    if config.kv_cache_dtype == "fp8":
+        return Fp8KVPool(sizing.num_blocks(config), config.block_size, **sizing.cache_shape())
+    return build_pool(config, sizing)
 
 
 def build(config: EngineConfig, sizing: Sizing, parts: dict, backend: str) -> EngineParts:

@@ -6,13 +6,13 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine.memory.prefix_block_manager import PrefixBlockManager
 from nanoserve.engine.runner.input_packer import InputPacker
 from nanoserve.recipes.paged_attention import kernel_attention
-from nanoserve.recipes.paged_pool import build_pool
+from nanoserve.recipes.paged_pool import build_kv_pool
 from nanoserve.recipes.recipe import EngineParts, Recipe, Sizing
 
 
 def build(config: EngineConfig, sizing: Sizing, parts: dict, backend: str) -> EngineParts:
     """The learner's prefix-caching manager (or ours) over stage 04's pool, stage 06's kernels."""
-    pool = build_pool(config, sizing)
+    pool = build_kv_pool(config, sizing)
     manager = parts.get("PrefixBlockManager", PrefixBlockManager)(
         pool.num_blocks, config.block_size
     )
