@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.cache.paged import PagedKVPool
 from nanoserve.kernels.attention import attend, attend_decode_padded
 from nanoserve.types import AttentionMetadata
 
@@ -41,8 +40,8 @@ class TorchPagedAttention:
 
     name = "torch"
 
-    def __init__(self, pool: PagedKVPool, store=store_kvcache, gather=gather_kv):
-        self.pool = pool
+    def __init__(self, pool, store=store_kvcache, gather=gather_kv):
+        self.pool = pool  # anything with layer_caches(layer_id) -> (k_cache, v_cache)
         self.store, self.gather = store, gather
 
     def forward(self, layer_id: int, q, k, v, scale: float, metadata: AttentionMetadata):

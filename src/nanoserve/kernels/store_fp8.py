@@ -1,0 +1,195 @@
+"""Stage 13: a Triton kernel that quantizes new K/V tokens into the e4m3 pool, run by run.
+
+Introduced in stage 13. It does what `torch_fp8.store_kvcache_fp8` does, bit for bit (codes and
+exponents): each run of a sequence's tokens that writes one block grows that block's exponent
+per KV head, requantizes the block's older codes when it grew, and stores its own codes. The
+e4m3 rounding is integer bit arithmetic, so the interpreter (NumPy has no float8) runs it too.
+It never allocates or reads attention; two runs of one call must not share a block (the engine's
+sequences own their blocks).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanoserve.cache.fp8 import SMALLEST_EXPONENT
+
+# Which programs work: grid (T, H_kv); program (t, h) leads when token t starts a run, and writes
+# head h of the whole run, for K and for V. Everyone else returns at once. Block size 4:
+#
+#   slot_mapping   5   6   7 |  8   9 | 17 | -1 | 20
+#   block/offset  1/1 1/2 1/3| 2/0 2/1| 4/1|    | 5/0
+#   leader?        L   .   . |  L   . |  L |  . |  L     (slot 8 follows 7 but starts block 2)
+#
+# What the leader of a run at `offset` does to one block of k_cache, head h (codes, uint8):
+#
+#   row 0 .. offset-1        older tokens: requantized when k_scales[block, h] grows
+#   row offset .. offset+n-1 this run: amax (pass 1) -> exponent (pass 2) -> codes (pass 3)
+#   row offset+n ..          not written yet: left alone
+#
+# Rows are walked CHUNK at a time; a row is (D,) codes at ((block * bs + row) * H_kv + h) * D.
+
+_SMALLEST_EXPONENT: tl.constexpr = tl.constexpr(SMALLEST_EXPONENT)
+CHUNK = 16  # run rows handled at once; a longer run (block_size 64) loops
+
+
+@triton.jit
+def _power_of_two(exponent):
+    """2**exponent as float32, from the bits (exact; no exp2, whose rounding varies)."""
+    return ((exponent + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scale_exponent(amax):
+    """`fp8.scale_exponent`: the smallest e with amax <= 448 * 2**e, from amax's float32 bits."""
+    bits = amax.to(tl.int32, bitcast=True)
+    above = ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)  # mantissa > 1.75 = 448 / 2**8
+    return tl.maximum((bits >> 23) - 127 - 8 + above, _SMALLEST_EXPONENT)
+
+
+@triton.jit
+def _decode_e4m3(codes):
+    """float32 values of e4m3 codes: 0eeeemmm -> bits of float32 by a rebias of 120."""
+    codes = codes.to(tl.int32)
+    mag = codes & 0x7F
+    normal = ((mag << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+    value = tl.where(mag < 8, mag.to(tl.float32) * 0.001953125, normal)  # subnormal: m * 2**-9
+    return tl.where(codes >= 0x80, -value, value)  # 0x80 decodes to -0.0, as torch's
+
+
+@triton.jit
+def _encode_e4m3(y):
+    """e4m3 codes (uint8) of float32 y, clamped to +-448 and rounded to nearest even, as torch's
+    `.clamp(-448, 448).to(torch.float8_e4m3fn)`: the sign bit stays, so -0.0 gives 0x80."""
+    sign = (y.to(tl.int32, bitcast=True) >> 24) & 0x80
+    a = tl.minimum(tl.abs(y), 448.0)
+    bits = a.to(tl.int32, bitcast=True)
+    # |y| >= 2**-6: drop 20 of float32's 23 mantissa bits, ties to even (a carry may bump the
+    # exponent, as it should), then rebias the exponent from 127 to 7.
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - (120 << 3)
+    # Below 2**-6 the codes are m * 2**-9: adding 2**23 to a * 512 rounds it to an integer
+    # (ties to even) in the low mantissa bits; m = 8 is 0x08, the smallest normal, as it should.
+    # a * 512 is exact, so the fused multiply-add a GPU compiles this to rounds the same.
+    subnormal = (a * 512.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
+    return (tl.where(a >= 0.015625, normal, subnormal) | sign).to(tl.uint8)
+
+
+@triton.jit
+def _write_run_head(
+    x_ptr, stride_t, stride_d, cache_ptr, scale_ptr, slots_ptr, slot, limit,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """`fp8.write_run` for one head of K or of V. x_ptr: the head's row of the run's first token,
+    slots_ptr: its slot_mapping entry (slot), limit: the most tokens the run may have. cache_ptr
+    points at the head's (D,) codes of slot 0, scale_ptr at the block's exponent."""
+    amax = 0.0
+    for start in range(0, limit, CHUNK):  # pass 1: the run's amax
+        x, _ = _load_run_rows(x_ptr, stride_t, stride_d, slots_ptr, slot, start, limit,
+                              CHUNK, HEAD_DIM, BLOCK_D)  # fmt: skip
+        amax = tl.maximum(amax, tl.max(tl.abs(x)))
+    new = _scale_exponent(amax)  # pass 2: the exponent; the older codes follow it
+    offset = slot % BLOCK_SIZE
+    if offset > 0:
+        old = tl.load(scale_ptr)
+        if new > old:  # (at an unchanged exponent each code would requantize to itself)
+            rows, dims = tl.arange(0, CHUNK), tl.arange(0, BLOCK_D)
+            for start in range(0, offset, CHUNK):
+                mask = (start + rows < offset)[:, None] & (dims < HEAD_DIM)[None, :]
+                ptrs = _code_ptrs(cache_ptr, slot - offset + start + rows, NUM_KV_HEADS, HEAD_DIM,
+                                  BLOCK_D)  # fmt: skip
+                y = _decode_e4m3(tl.load(ptrs, mask)) * _power_of_two(old) * _power_of_two(-new)
+                tl.store(ptrs, _encode_e4m3(y), mask)
+        new = tl.maximum(new, old)
+    for start in range(0, limit, CHUNK):  # pass 3: the run's own codes
+        x, mask = _load_run_rows(x_ptr, stride_t, stride_d, slots_ptr, slot, start, limit,
+                                 CHUNK, HEAD_DIM, BLOCK_D)  # fmt: skip
+        ptrs = _code_ptrs(cache_ptr, slot + start + tl.arange(0, CHUNK), NUM_KV_HEADS, HEAD_DIM,
+                          BLOCK_D)  # fmt: skip
+        tl.store(ptrs, _encode_e4m3(x * _power_of_two(-new)), mask)
+    tl.store(scale_ptr, new)
+
+
+@triton.jit
+def _load_run_rows(
+    x_ptr, stride_t, stride_d, slots_ptr, slot, start, limit,
+    CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """The run's tokens start..start+CHUNK-1 as float32 (CHUNK, BLOCK_D), and the mask of those
+    in the run: before `limit`, at slots slot + start, slot + start + 1, ... (zeros elsewhere)."""
+    rows, dims = start + tl.arange(0, CHUNK), tl.arange(0, BLOCK_D)
+    in_run = (rows < limit) & (tl.load(slots_ptr + rows, rows < limit, other=-1) == slot + rows)
+    mask = in_run[:, None] & (dims < HEAD_DIM)[None, :]
+    ptrs = x_ptr + rows[:, None] * stride_t + dims[None, :] * stride_d
+    return tl.load(ptrs, mask, other=0.0).to(tl.float32), mask
+
+
+@triton.jit
+def _code_ptrs(
+    cache_ptr, slots, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    """Pointers (len(slots), BLOCK_D) to one head's code rows of `slots`."""
+    dims = tl.arange(0, BLOCK_D)
+    return cache_ptr + (slots * NUM_KV_HEADS * HEAD_DIM)[:, None] + dims[None, :]
+
+
+@triton.jit
+def _store_kvcache_fp8_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, slot_mapping_ptr,
+    num_tokens, key_stride_t, key_stride_h, key_stride_d,
+    value_stride_t, value_stride_h, value_stride_d,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,  # BLOCK_D: HEAD_DIM rounded up to a power of two
+):  # fmt: skip
+    token, head = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)  # int64: slot * H_kv * D may pass 2**31
+    previous = tl.load(slot_mapping_ptr + token - 1, mask=token > 0, other=-1).to(tl.int64)
+    goes_on = (slot % BLOCK_SIZE != 0) & (previous == slot - 1)  # token - 1 leads or went on
+    if (slot < 0) | goes_on:  # padding (-1) writes nothing; a run's later tokens are its leader's
+        return
+    limit = tl.minimum(BLOCK_SIZE - slot % BLOCK_SIZE, num_tokens - token)  # the run's most tokens
+    scale = (slot // BLOCK_SIZE) * NUM_KV_HEADS + head  # this block and head's exponent
+    _write_run_head(key_ptr + token * key_stride_t + head * key_stride_h, key_stride_t,
+                    key_stride_d, k_cache_ptr + head * HEAD_DIM, k_scales_ptr + scale,
+                    slot_mapping_ptr + token, slot, limit,
+                    NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, CHUNK, BLOCK_D)  # fmt: skip
+    _write_run_head(value_ptr + token * value_stride_t + head * value_stride_h, value_stride_t,
+                    value_stride_d, v_cache_ptr + head * HEAD_DIM, v_scales_ptr + scale,
+                    slot_mapping_ptr + token, slot, limit,
+                    NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, CHUNK, BLOCK_D)  # fmt: skip
+
+
+def store_kvcache_fp8(key, value, k_cache, v_cache, slot_mapping, *, k_scales, v_scales) -> None:
+    """Quantize key, value (T, H_kv, D) into the code caches (num_blocks, block_size, H_kv, D)
+    at slot_mapping (T,) (-1 is skipped), growing the exponents (num_blocks, H_kv) in place."""
+    _check_fp8_store_args(key, value, k_cache, v_cache, slot_mapping, k_scales, v_scales)
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    _store_kvcache_fp8_kernel[(num_tokens, num_kv_heads)](
+        key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping, num_tokens,
+        *key.stride(), *value.stride(),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], CHUNK=CHUNK,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )  # fmt: skip
+
+
+def _check_fp8_store_args(key, value, k_cache, v_cache, slot_mapping, k_scales, v_scales):
+    """Raise ValueError on shapes, dtypes or layouts the kernel's indexing does not cover."""
+    if key.dim() != 3 or key.shape != value.shape:
+        raise ValueError(f"key and value must both be (T, H_kv, D), got {key.shape}, {value.shape}")
+    caches_fit = k_cache.shape == v_cache.shape and k_cache.shape[2:] == key.shape[1:]
+    if not caches_fit or not (k_cache.dtype == v_cache.dtype == torch.uint8):
+        raise ValueError(f"caches must be (num_blocks, block_size, {key.shape[1:]}) uint8 codes")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous (one layer's view of the pool)")
+    for scales in (k_scales, v_scales):
+        if scales.shape != (k_cache.shape[0], key.shape[1]) or scales.dtype != torch.int32:
+            raise ValueError(f"k_scales, v_scales must be (num_blocks, H_kv) int32: {scales.shape}")
+        if not scales.is_contiguous():
+            raise ValueError("k_scales and v_scales must be contiguous")
+    int_dtype = slot_mapping.dtype in (torch.int32, torch.int64)
+    if slot_mapping.shape != (key.shape[0],) or not int_dtype:
+        raise ValueError(f"slot_mapping must be (T,) int32 or int64, got {slot_mapping.shape}")
