@@ -219,8 +219,10 @@ def test_task_2_an_exponent_that_does_not_grow_leaves_the_older_codes_alone(impl
     impl.write_run(heads([0.001, -1.0, 0.2, 0.3], [0.5, 0.25, 0.1, 0.1]), block, exponents, 2)
     assert exponents.tolist() == [-7, -7], f"no head's exponent grows; got {exponents.tolist()}"
     assert torch.equal(block[:2], before), "older codes changed though no exponent grew"
-    assert torch.equal(block[2:4], torch_codes(heads([0.001, -1.0, 0.2, 0.3], [0.5, 0.25, 0.1,
-        0.1]), exponents)), "the new rows are coded at the block's exponents, not their own"  # fmt: skip
+    new = heads([0.001, -1.0, 0.2, 0.3], [0.5, 0.25, 0.1, 0.1])
+    assert torch.equal(block[2:4], torch_codes(new, exponents)), (
+        "the new rows are coded at the block's exponents, not their own"
+    )
 
 
 def test_task_2_requantizing_rounds_what_falls_below_the_normal_range(impl):
@@ -292,7 +294,7 @@ def test_task_3_a_step_of_several_sequences_and_padding_is_written_run_by_run(im
     for which, x in ((0, k), (1, v)):
         name = "kv"[which]
         want = expected({1: x[0:3], 2: x[3:4], 3: x[5:7]})  # block 1's slot 0 held nothing
-        for block, (exps, values) in want.items():
+        for block, (exps, _) in want.items():
             got = caches[1][which][block].tolist()
             assert got == exps, (
                 f"{name}: block {block}'s exponents per head should come from the tokens written "

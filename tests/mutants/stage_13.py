@@ -54,8 +54,9 @@ MUTANTS = (
         (
             WRITE,
             "block[offset : offset + rows.shape[0]] = "
-            "(rows.float() * power_of_two(-new)[:, None]).to(torch.float8_e4m3fn).view(torch.uint8)",
-        ),  # fmt: skip
+            "(rows.float() * power_of_two(-new)[:, None])"
+            ".to(torch.float8_e4m3fn).view(torch.uint8)",
+        ),
     ),
     mutant(
         "stale_exponent_at_offset_0",

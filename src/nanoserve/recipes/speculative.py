@@ -23,7 +23,6 @@ from nanoserve.recipes.recipe import EngineParts, Sizing
 from nanoserve.samplers.rejection import num_accepted, residual
 from nanoserve.samplers.speculative_sampler import Rule
 
-
 FP8_PARTS = ("store_kvcache_fp8", "gather_kv_fp8")  # stage 13's recipe makes them replaceable
 
 
