@@ -163,6 +163,7 @@ def all_mutants() -> list[Mutant]:
         stage_10,
         stage_11,
         stage_12,
+        stage_13,
     )
 
     stages = (
@@ -178,6 +179,7 @@ def all_mutants() -> list[Mutant]:
         stage_10,
         stage_11,
         stage_12,
+        stage_13,
     )
     return [m for stage in stages for m in stage.MUTANTS]
 

@@ -17,7 +17,7 @@ def build(config: EngineConfig, sizing: Sizing, parts: dict, backend: str) -> En
         pool.num_blocks, config.block_size
     )
     packer = InputPacker(pool.block_size, sizing.device)
-    return EngineParts(manager, pool, packer, kernel_attention(pool, backend, {}))
+    return EngineParts(manager, pool, packer, kernel_attention(pool, backend, parts))
 
 
 # flash_attn is offered but never the default: "auto" takes triton, the first importable

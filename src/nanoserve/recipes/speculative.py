@@ -23,11 +23,15 @@ from nanoserve.recipes.recipe import EngineParts, Sizing
 from nanoserve.samplers.rejection import num_accepted, residual
 from nanoserve.samplers.speculative_sampler import Rule
 
+FP8_PARTS = ("store_kvcache_fp8", "gather_kv_fp8")  # stage 13's recipe makes them replaceable
+
 
 def build(config: EngineConfig, sizing: Sizing, parts: dict, backend: str) -> EngineParts:
     """Stage 11's parts; the learner's scheduler bookkeeping, lookup and rule (or ours)."""
-    managers = {k: v for k, v in parts.items() if k == "PrefixBlockManager"}
-    built = overlap.build(config, sizing, managers, backend)  # stage 11's persistent batch
+    # stage 07's manager and stage 13's store and gather (the torch backend's) reach the pool's
+    # builder; the rest are this stage's
+    below = {k: v for k, v in parts.items() if k in ("PrefixBlockManager", *FP8_PARTS)}
+    built = overlap.build(config, sizing, below, backend)  # stage 11's persistent batch
     if speculative_method(config) == "draft" and sizing.tp_size > 1:
         raise ValueError(
             "speculative_method='draft' runs the draft on one rank; with "

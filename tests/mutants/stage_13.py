@@ -1,0 +1,115 @@
+"""Stage 13 mutants: the scale and the codes (scale_exponent, quantize), a block's write
+(write_run: fresh block, grown exponent, older codes), and the torch backend's store and gather
+(store_kvcache_fp8 with its runs, gather_kv_fp8), one learner bug each."""
+
+from __future__ import annotations
+
+from tests.mutants import Mutant
+
+AMAX = "scale_exponent(rows.float().abs().amax(dim=(0, 2)))"
+WRITE = "block[offset : offset + rows.shape[0]] = quantize(rows, new)"
+CAST = "scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)"
+
+
+def mutant(name: str, bug: str, target: str, *edits: tuple[str, str], host=None) -> Mutant:
+    return Mutant(13, name, bug, target, edits, host)
+
+
+MUTANTS = (
+    # ---- the scale and the codes ----
+    mutant(
+        "exponent_rounded_down",
+        "the exponent is floor(log2(amax / 448)), not the ceiling: the largest values do not fit",
+        "scale_exponent",
+        ("exponent - 8 + above", "exponent - 9 + above"),
+    ),
+    mutant(
+        "exponent_exact_fit_rejected",
+        "an amax of exactly 448 * 2**e (mantissa 1.75) gets e + 1: a strict comparison",
+        "scale_exponent",
+        ("(bits & 0x7FFFFF) > 0x600000", "(bits & 0x7FFFFF) >= 0x600000"),
+    ),
+    mutant(
+        "truncated_not_rounded",
+        "the mantissa is cut to 3 bits (toward zero) instead of rounded to nearest, ties to even",
+        "quantize",
+        (
+            CAST,
+            "(scaled.clamp(-E4M3_MAX, E4M3_MAX).view(torch.int32) & ~0xFFFFF)"
+            ".view(torch.float32).to(torch.float8_e4m3fn)",
+        ),
+    ),
+    # ---- a block's write ----
+    mutant(
+        "scale_over_all_heads",
+        "one amax over every head of the rows: a quiet head shares a loud head's scale",
+        "write_run",
+        (AMAX, "scale_exponent(rows.float().abs().amax().repeat(rows.shape[1]))"),
+    ),
+    mutant(
+        "floor_exponent_and_no_clamp",
+        "the exponent rounded down and the codes cast without a clamp: values above 448 -> NaN",
+        "write_run",
+        (AMAX, f"{AMAX} - 1"),
+        (
+            WRITE,
+            "block[offset : offset + rows.shape[0]] = "
+            "(rows.float() * power_of_two(-new)[:, None])"
+            ".to(torch.float8_e4m3fn).view(torch.uint8)",
+        ),
+    ),
+    mutant(
+        "stale_exponent_at_offset_0",
+        "a fresh block keeps the larger of its previous owner's exponent and its own",
+        "write_run",
+        ("offset > 0", "True"),
+    ),
+    mutant(
+        "amax_of_the_whole_block",
+        "the amax is taken over the whole block (its stale slots included), not the rows written",
+        "write_run",
+        (
+            AMAX,
+            "scale_exponent(torch.cat([dequantize(block, exponents, torch.float32), rows.float()])"
+            ".abs().amax(dim=(0, 2)))",
+        ),
+    ),
+    mutant(
+        "older_codes_not_requantized",
+        "the exponent grows but the block's older codes are left at the old scale",
+        "write_run",
+        ("block[:offset] = quantize(dequantize(block[:offset], old, torch.float32), new)", "pass"),
+    ),
+    # ---- the store and the gather ----
+    mutant(
+        "v_stored_with_k_exponents",
+        "V's runs are written with K's exponents (k_scales), V's own never set",
+        "store_kvcache_fp8",
+        (
+            "write_run(v[start:end], v_cache[block], v_scales[block], offset)",
+            "write_run(v[start:end], v_cache[block], k_scales[block], offset)",
+        ),
+    ),
+    mutant(
+        "run_crosses_into_the_next_block",
+        "a run goes on while slots are consecutive, across a block's end into the next block",
+        "runs",
+        (
+            "end == t and last_block == block and first_offset + t - first == offset",
+            "end == t and last_block * block_size + first_offset + t - first == slot",
+        ),
+        host="store_kvcache_fp8",
+    ),
+    mutant(
+        "gather_without_the_scale",
+        "the gather reads the e4m3 values without multiplying by their block's 2**e",
+        "gather_kv_fp8",
+        ("dequantize(cache[b], scales[b], dtype)", "dequantize(cache[b], 0 * scales[b], dtype)"),
+    ),
+    mutant(
+        "gather_blocks_sorted",
+        "the table's blocks are read in id order, not the table's order",
+        "gather_kv_fp8",
+        ("block_table[:num_blocks].long()", "block_table[:num_blocks].long().sort().values"),
+    ),
+)
