@@ -5,7 +5,7 @@ for is `code * 2**e`, where `e` is the exponent of its block and KV head. The ex
 smallest that keeps the block's largest magnitude (its amax) within e4m3's 448:
 
     e = ceil(log2(amax / 448))          amax 3.1 -> 3.1 / 448 = 0.0069 -> e = -7 (2**-7 = 0.0078)
-    code = e4m3(x / 2**e)               x = 1.3 -> 1.3 * 128 = 166.4 -> code 0x76 (160), 1.25
+    code = e4m3(x / 2**e)               x = 1.3 -> 1.3 * 128 = 166.4 -> code 0x72 (160), 1.25
 
 A power of two, because then dividing by the scale and multiplying it back are exact: the only
 rounding is e4m3's own (3 mantissa bits), and a dequantized value is exactly representable in
@@ -49,8 +49,9 @@ def power_of_two(exponent: torch.Tensor) -> torch.Tensor:
 def quantize(x: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:
     """e4m3 codes (uint8) of x (..., H, D) at scale 2**exponent (H,): round to nearest even.
 
-    x / 2**e is within +-448 by the choice of e; the clamp keeps a value from becoming NaN
-    (torch turns e4m3 overflow into NaN) should a caller pass a smaller exponent."""
+    x / 2**e is within +-448 by the choice of e; should a caller pass a smaller exponent, the
+    clamp saturates at 448 on every library and device (torch on a CPU saturates too; a
+    conversion that does not would give NaN)."""
     scaled = x.float() * power_of_two(-exponent)[:, None]
     return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
 
