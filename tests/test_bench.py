@@ -190,7 +190,7 @@ def test_a_served_report_with_an_unbounded_rate_is_strict_json(tmp_path):
 @pytest.mark.parametrize(
     ("argv", "option"),
     [
-        (["--stage", "13"], "--stage"),  # past the manifest
+        (["--stage", "14"], "--stage"),  # past the manifest
         (["--model", "no-such-model"], "--model"),
         (["--device", "gpu"], "--device"),
         (["--max-model-len", "16"], "--max-model-len"),

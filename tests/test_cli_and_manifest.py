@@ -30,8 +30,8 @@ def test_default_llm_stage_is_the_newest_implemented(tiny_checkpoints):
 
 
 def test_get_stage_rejects_numbers_outside_the_manifest():
-    with pytest.raises(ValueError, match=r"0\.\.12"):
-        get_stage(13)
+    with pytest.raises(ValueError, match=r"0\.\.13"):
+        get_stage(14)
 
 
 def test_stages_command_prints_every_stage(capsys):

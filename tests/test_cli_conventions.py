@@ -148,7 +148,7 @@ def error_of(argv: list[str], capsys) -> str:
         ["--dtype", "float8"],
         ["--device", "gpu"],
         ["--model", "no-such-model"],
-        ["--stage", "13"],
+        ["--stage", "14"],
         ["--max-num-seqs", "x"],
     ],
 )

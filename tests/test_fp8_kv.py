@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.cache.fp8 import Fp8KVPool
+from nanoserve.cache.fp8_pool import Fp8KVPool
 from nanoserve.cache.paged import PagedKVPool
 from nanoserve.kernels.torch_fp8 import DequantizedStore
 

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from nanoserve.cache.fp8 import E4M3_MAX, SMALLEST_EXPONENT
+from nanoserve.cache.fp8_pool import E4M3_MAX, SMALLEST_EXPONENT
 from nanoserve.kernels.torch_fp8 import store_kvcache_fp8 as torch_store_fp8
 
 triton = pytest.importorskip("triton", reason="the Triton kernels need triton (pip install triton)")

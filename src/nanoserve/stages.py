@@ -242,6 +242,7 @@ STAGES: tuple[Stage, ...] = (
         "for token), and a measured bound on the loss (KL, perplexity, greedy agreement)",
         reference_modules=(
             "cache/fp8.py",
+            "cache/fp8_pool.py",
             "kernels/torch_fp8.py",
             "kernels/store_fp8.py",
             "kernels/paged_tiles.py",

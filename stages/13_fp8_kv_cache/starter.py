@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.cache.fp8 import runs  # noqa: F401  (task 3: a step's slot_mapping, run by run)
+from nanoserve.cache.fp8_pool import runs  # noqa: F401  (task 3: a step's slot_mapping, run by run)
 
-# Given (nanoserve/cache/fp8.py): `runs(slot_mapping, block_size)`, the (first token, end token,
+# Given (nanoserve/cache/fp8_pool.py): `runs(slot_mapping, block_size)`, the (first token, end token,
 # block, offset) of each run of consecutive slots of one block, padding (-1) skipped;
 # `power_of_two(exponent)`, 2**exponent as float32 from its bits; the pool, `Fp8KVPool`
 # (codes (2, L, num_blocks, block_size, H_kv, D) uint8, exponents (2, L, num_blocks, H_kv)

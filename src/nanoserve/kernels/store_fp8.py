@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve.cache.fp8 import SMALLEST_EXPONENT
+from nanoserve.cache.fp8_pool import SMALLEST_EXPONENT
 
 # Which programs work: grid (T, H_kv); program (t, h) leads when token t starts a run, and writes
 # head h of the whole run, for K and for V. Everyone else returns at once. Block size 4:

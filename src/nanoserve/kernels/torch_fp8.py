@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.cache.fp8 import SMALLEST_EXPONENT, dequantize, power_of_two, runs, write_run
+from nanoserve.cache.fp8 import dequantize, write_run
+from nanoserve.cache.fp8_pool import SMALLEST_EXPONENT, power_of_two, runs
 from nanoserve.kernels.attention import attend, attend_decode_padded
 from nanoserve.kernels.torch_paged import TorchPagedAttention
 from nanoserve.types import AttentionMetadata

@@ -6,7 +6,7 @@ pieces, so they run these reference kernels).
 
 from __future__ import annotations
 
-from nanoserve.cache.fp8 import Fp8KVPool
+from nanoserve.cache.fp8_pool import Fp8KVPool
 from nanoserve.cache.paged import PagedKVPool
 from nanoserve.config import EngineConfig
 from nanoserve.engine.memory.block_manager import BlockManager

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 
 from nanoserve.cache.budget import kv_bytes_per_token, units_in_budget
-from nanoserve.cache.fp8 import kv_bytes_per_token_fp8
+from nanoserve.cache.fp8_pool import kv_bytes_per_token_fp8
 from nanoserve.cache.kv_cache import KVCache
 from nanoserve.config import EngineConfig
 from nanoserve.engine.loop.scheduler import Scheduler
