@@ -7,6 +7,7 @@ tests/test_fp8_loss.py. Also: the pool holds about twice the tokens, and the opt
 from __future__ import annotations
 
 import pytest
+import torch
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.cache.fp8_pool import Fp8KVPool
@@ -106,3 +107,38 @@ def test_a_bad_kv_cache_dtype_names_the_argument(tiny_checkpoints, options, mess
     folder, _ = tiny_checkpoints["llama"]
     with pytest.raises(ValueError, match=message):
         LLM(str(folder), **{**SMALL, **options})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_kernels_read_an_e4m3_pool_as_the_dequantized_pool_bit_for_bit(dtype):
+    """Prefill and split-K decode over e4m3 codes (decoded from their bits, times 2**e, in
+    registers) give exactly what the same kernels give over the values `DequantizedStore` wrote:
+    the two compute on the same numbers. Two sequences, tables out of order, a partial block."""
+    pytest.importorskip("triton")
+    from nanoserve.kernels.paged_decode import paged_attention_decode
+    from nanoserve.kernels.paged_prefill import paged_attention_prefill
+    from nanoserve.kernels.torch_fp8 import store_kvcache_fp8
+
+    torch.manual_seed(0)
+    pool = Fp8KVPool(16, 4, 1, 2, 16, dtype, "cpu")
+    (k_codes, v_codes), scales = pool.layer_caches(0), pool.layer_scales(0)
+    k_values = torch.zeros(16, 4, 2, 16, dtype=dtype)
+    v_values = torch.zeros_like(k_values)
+    tables = torch.tensor([[3, 7, 1, -1], [5, 2, -1, -1]], dtype=torch.int32)
+    lens = [10, 6]
+    slots = torch.tensor(
+        [int(tables[b, p // 4]) * 4 + p % 4 for b, n in enumerate(lens) for p in range(n)]
+    )
+    k = torch.randn(sum(lens), 2, 16, dtype=dtype) * 3
+    v = torch.randn(sum(lens), 2, 16, dtype=dtype)
+    store_kvcache_fp8(k, v, k_codes, v_codes, slots, **scales)
+    DequantizedStore()(k, v, k_values, v_values, slots)
+    q = torch.randn(sum(lens), 4, 16, dtype=dtype)
+    cu = torch.tensor([0, 10, 16], dtype=torch.int32)
+    context = torch.tensor(lens, dtype=torch.int32)
+    got = paged_attention_prefill(q, k_codes, v_codes, cu, context, tables, 10, 0.25, **scales)
+    want = paged_attention_prefill(q, k_values, v_values, cu, context, tables, 10, 0.25)
+    assert torch.equal(got, want)
+    q = q[[9, 15]]
+    got = paged_attention_decode(q, k_codes, v_codes, context, tables, 0.25, **scales)
+    assert torch.equal(got, paged_attention_decode(q, k_values, v_values, context, tables, 0.25))

@@ -244,6 +244,7 @@ STAGES: tuple[Stage, ...] = (
             "cache/fp8.py",
             "cache/fp8_pool.py",
             "kernels/torch_fp8.py",
+            "kernels/e4m3.py",
             "kernels/store_fp8.py",
             "kernels/paged_tiles.py",
             "recipes/fp8_kv_cache.py",

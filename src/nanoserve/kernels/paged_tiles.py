@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoserve.kernels.e4m3 import e4m3_value, power_of_two
+
 # Where position n of sequence b lives in one layer's cache (num_blocks, block_size, H_kv, D):
 #
 #   block_tables[b] = [7, 2, 9, -1]       block_size 4, context_len 10
@@ -65,24 +67,6 @@ def load_kv_tile(
         k = (e4m3_value(codes_k) * power_of_two(k_exp)[:, None]).to(DTYPE)
         v = (e4m3_value(codes_v) * power_of_two(v_exp)[:, None]).to(DTYPE)
     return k, v
-
-
-@triton.jit
-def e4m3_value(code):
-    """The float32 value of e4m3 codes (uint8), from their bits (NumPy, thus the interpreter,
-    has no float8): a normal code's 4 exponent and 3 mantissa bits move into float32's fields
-    (exponent bias 7 -> 127: + 120), a subnormal one (exponent 0) is mantissa * 2**-9."""
-    code = code.to(tl.int32)
-    magnitude = code & 0x7F
-    normal = ((magnitude << 20) + (120 << 23)).to(tl.float32, bitcast=True)
-    value = tl.where(magnitude < 8, magnitude.to(tl.float32) * 0.001953125, normal)
-    return tl.where((code & 0x80) != 0, -value, value)
-
-
-@triton.jit
-def power_of_two(exponent):
-    """2**exponent as float32, exactly, built from the bits (exponent in [-126, 127])."""
-    return ((exponent.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit

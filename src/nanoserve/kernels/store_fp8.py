@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve.cache.fp8_pool import SMALLEST_EXPONENT
+from nanoserve.kernels.e4m3 import e4m3_code, e4m3_value, power_of_two, scale_exponent
 
 # Which programs work: grid (T, H_kv); program (t, h) leads when token t starts a run, and writes
 # head h of the whole run, for K and for V. Everyone else returns at once. Block size 4:
@@ -31,49 +31,7 @@ from nanoserve.cache.fp8_pool import SMALLEST_EXPONENT
 #
 # Rows are walked CHUNK at a time; a row is (D,) codes at ((block * bs + row) * H_kv + h) * D.
 
-_SMALLEST_EXPONENT: tl.constexpr = tl.constexpr(SMALLEST_EXPONENT)
 CHUNK = 16  # run rows handled at once; a longer run (block_size 64) loops
-
-
-@triton.jit
-def _power_of_two(exponent):
-    """2**exponent as float32, from the bits (exact; no exp2, whose rounding varies)."""
-    return ((exponent + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _scale_exponent(amax):
-    """`fp8.scale_exponent`: the smallest e with amax <= 448 * 2**e, from amax's float32 bits."""
-    bits = amax.to(tl.int32, bitcast=True)
-    above = ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)  # mantissa > 1.75 = 448 / 2**8
-    return tl.maximum((bits >> 23) - 127 - 8 + above, _SMALLEST_EXPONENT)
-
-
-@triton.jit
-def _decode_e4m3(codes):
-    """float32 values of e4m3 codes: 0eeeemmm -> bits of float32 by a rebias of 120."""
-    codes = codes.to(tl.int32)
-    mag = codes & 0x7F
-    normal = ((mag << 20) + (120 << 23)).to(tl.float32, bitcast=True)
-    value = tl.where(mag < 8, mag.to(tl.float32) * 0.001953125, normal)  # subnormal: m * 2**-9
-    return tl.where(codes >= 0x80, -value, value)  # 0x80 decodes to -0.0, as torch's
-
-
-@triton.jit
-def _encode_e4m3(y):
-    """e4m3 codes (uint8) of float32 y, clamped to +-448 and rounded to nearest even, as torch's
-    `.clamp(-448, 448).to(torch.float8_e4m3fn)`: the sign bit stays, so -0.0 gives 0x80."""
-    sign = (y.to(tl.int32, bitcast=True) >> 24) & 0x80
-    a = tl.minimum(tl.abs(y), 448.0)
-    bits = a.to(tl.int32, bitcast=True)
-    # |y| >= 2**-6: drop 20 of float32's 23 mantissa bits, ties to even (a carry may bump the
-    # exponent, as it should), then rebias the exponent from 127 to 7.
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - (120 << 3)
-    # Below 2**-6 the codes are m * 2**-9: adding 2**23 to a * 512 rounds it to an integer
-    # (ties to even) in the low mantissa bits; m = 8 is 0x08, the smallest normal, as it should.
-    # a * 512 is exact, so the fused multiply-add a GPU compiles this to rounds the same.
-    subnormal = (a * 512.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
-    return (tl.where(a >= 0.015625, normal, subnormal) | sign).to(tl.uint8)
 
 
 @triton.jit
@@ -90,7 +48,7 @@ def _write_run_head(
         x, _ = _load_run_rows(x_ptr, stride_t, stride_d, slots_ptr, slot, start, limit,
                               CHUNK, HEAD_DIM, BLOCK_D)  # fmt: skip
         amax = tl.maximum(amax, tl.max(tl.abs(x)))
-    new = _scale_exponent(amax)  # pass 2: the exponent; the older codes follow it
+    new = scale_exponent(amax)  # pass 2: the exponent; the older codes follow it
     offset = slot % BLOCK_SIZE
     if offset > 0:
         old = tl.load(scale_ptr)
@@ -100,15 +58,15 @@ def _write_run_head(
                 mask = (start + rows < offset)[:, None] & (dims < HEAD_DIM)[None, :]
                 ptrs = _code_ptrs(cache_ptr, slot - offset + start + rows, NUM_KV_HEADS, HEAD_DIM,
                                   BLOCK_D)  # fmt: skip
-                y = _decode_e4m3(tl.load(ptrs, mask)) * _power_of_two(old) * _power_of_two(-new)
-                tl.store(ptrs, _encode_e4m3(y), mask)
+                y = e4m3_value(tl.load(ptrs, mask)) * power_of_two(old) * power_of_two(-new)
+                tl.store(ptrs, e4m3_code(y), mask)
         new = tl.maximum(new, old)
     for start in range(0, limit, CHUNK):  # pass 3: the run's own codes
         x, mask = _load_run_rows(x_ptr, stride_t, stride_d, slots_ptr, slot, start, limit,
                                  CHUNK, HEAD_DIM, BLOCK_D)  # fmt: skip
         ptrs = _code_ptrs(cache_ptr, slot + start + tl.arange(0, CHUNK), NUM_KV_HEADS, HEAD_DIM,
                           BLOCK_D)  # fmt: skip
-        tl.store(ptrs, _encode_e4m3(x * _power_of_two(-new)), mask)
+        tl.store(ptrs, e4m3_code(x * power_of_two(-new)), mask)
     tl.store(scale_ptr, new)
 
 
