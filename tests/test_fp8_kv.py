@@ -142,3 +142,20 @@ def test_the_kernels_read_an_e4m3_pool_as_the_dequantized_pool_bit_for_bit(dtype
     q = q[[9, 15]]
     got = paged_attention_decode(q, k_codes, v_codes, context, tables, 0.25, **scales)
     assert torch.equal(got, paged_attention_decode(q, k_values, v_values, context, tables, 0.25))
+
+
+def test_two_ranks_on_e4m3_pools_give_one_ranks_tokens(tmp_path):
+    """Tensor parallelism splits the KV heads; a scale is per head, so each rank's pool holds
+    the codes and exponents one rank's pool holds for those heads: the same tokens."""
+    from nanoserve.testing import engine_requests
+
+    from .test_tensor_parallel import CPU, GREEDY, tiny_sharded_model
+
+    model = tiny_sharded_model(tmp_path, "qwen3", 300, 4, 2)
+    prompts, _ = engine_requests(lengths=(5, 17, 33, 9), vocab_size=300)
+    with LLM(model, stage=13, kv_cache_dtype="fp8", **CPU) as llm:
+        want = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    with LLM(model, stage=13, kv_cache_dtype="fp8", tensor_parallel_size=2, **CPU) as llm:
+        assert isinstance(llm.engine.runner.cache, Fp8KVPool)
+        got = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert got == want

@@ -223,3 +223,23 @@ def test_qwen3_shape_bf16_stage12_matches_stage11_on_cuda_up_to_top5(method):
     for prompt, a, b in zip(ids, ref_out, got_out):
         assert len(b.token_ids) == 40
         assert_same_up_to_top5_divergence(ref, got, prompt, a.token_ids, b.token_ids)
+
+
+# ---- stage 13: an e4m3 KV cache, its kernels compiled, its decode steps in CUDA graphs ----
+
+
+def test_qwen3_shape_bf16_stage13_fp8_gives_stage11s_tokens_on_the_dequantized_values():
+    """The compiled store kernel and the dequantizing reads, decode steps replayed from CUDA
+    graphs, against stage 11 eager over a bf16 pool that holds the dequantized values."""
+    from nanoserve.kernels.torch_fp8 import DequantizedStore
+
+    options = dict(dtype="bfloat16", max_num_seqs=16, max_model_len=1024, block_size=256)
+    options.update(attention_backend="triton", num_kv_blocks=64)
+    ref = LLM("qwen3-0.6b", stage=11, enforce_eager=True, **options)
+    ref.engine.runner.attention.store = DequantizedStore()  # a host loop: never in a graph
+    got = LLM("qwen3-0.6b", stage=13, kv_cache_dtype="fp8", **options)
+    assert got.engine.runner.graphs is not None
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    ids = [[(13 * i + 7 * (j % 17)) % 10000 for j in range(20 + 41 * i)] for i in range(12)]
+    want = [o.token_ids for o in ref.generate(ids, params, use_tqdm=False)]
+    assert [o.token_ids for o in got.generate(ids, params, use_tqdm=False)] == want
