@@ -230,7 +230,8 @@ def test_qwen3_shape_bf16_stage12_matches_stage11_on_cuda_up_to_top5(method):
 
 def test_qwen3_shape_bf16_stage13_fp8_gives_stage11s_tokens_on_the_dequantized_values():
     """The compiled store kernel and the dequantizing reads, decode steps replayed from CUDA
-    graphs, against stage 11 eager over a bf16 pool that holds the dequantized values."""
+    graphs, against stage 11 eager over a bf16 pool that holds the dequantized values (a graph
+    pads the batch, which may change the decode kernel's split: equal up to a top-5 tie)."""
     from nanoserve.kernels.torch_fp8 import DequantizedStore
 
     options = dict(dtype="bfloat16", max_num_seqs=16, max_model_len=1024, block_size=256)
@@ -241,5 +242,7 @@ def test_qwen3_shape_bf16_stage13_fp8_gives_stage11s_tokens_on_the_dequantized_v
     assert got.engine.runner.graphs is not None
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     ids = [[(13 * i + 7 * (j % 17)) % 10000 for j in range(20 + 41 * i)] for i in range(12)]
-    want = [o.token_ids for o in ref.generate(ids, params, use_tqdm=False)]
-    assert [o.token_ids for o in got.generate(ids, params, use_tqdm=False)] == want
+    ref_out = ref.generate(ids, params, use_tqdm=False)
+    got_out = got.generate(ids, params, use_tqdm=False)
+    for prompt, a, b in zip(ids, ref_out, got_out):  # graphs pad the batch: top-5, as stage 08's
+        assert_same_up_to_top5_divergence(ref, got, prompt, a.token_ids, b.token_ids)
