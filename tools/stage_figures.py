@@ -283,6 +283,7 @@ def speculative():
     ax.text(3.4, 0.95, note, size=8, va="center")
     return fig
 
+
 def fp8_kv_cache():
     title = "FP8 KV cache: one byte per K/V value, one power-of-two scale per (block, KV head)"
     fig, ax = canvas(7.5, 2.1, title)
