@@ -21,7 +21,7 @@ from nanoserve.stages import STAGES, StageStatus
 ROOT = Path(__file__).resolve().parents[1]
 NUMBER_WORDS = [
     *("zero", "one", "two", "three", "four", "five", "six"),
-    *("seven", "eight", "nine", "ten", "eleven", "twelve", "thirteen"),
+    *("seven", "eight", "nine", "ten", "eleven", "twelve", "thirteen", "fourteen"),
 ]
 # Pages a learner reads day by day: the site's own pages and every lesson.
 LEARNER_PAGES = sorted(

@@ -284,6 +284,25 @@ def speculative():
     return fig
 
 
+def fp8_kv_cache():
+    title = "FP8 KV cache: one byte per K/V value, one power-of-two scale per (block, KV head)"
+    fig, ax = canvas(7.5, 2.1, title)
+    ax.text(0.1, 1.55, "values", size=8, va="center")
+    cells(ax, 1.0, 1.4, ["1.3", "-0.5", "0.2", "3.1"], [COLORS["A"]] * 4, size=0.5)
+    ax.text(3.2, 1.65, "amax 3.1: the smallest e with 3.1 <= 448 * 2**e", size=8, va="center")
+    ax.text(3.2, 1.45, "is e = -7 (one int32 per block and head)", size=8, va="center")
+    ax.text(0.1, 0.85, "codes", size=8, va="center")
+    codes = ["0x72", "0xE8", "0x5D", "0x7C"]
+    cells(ax, 1.0, 0.7, codes, [COLORS["B"]] * 4, size=0.5)
+    ax.text(3.2, 0.85, "x * 2**7, rounded to e4m3: one byte each (uint8)", size=8, va="center")
+    ax.text(0.1, 0.25, "read as", size=8, va="center")
+    cells(ax, 1.0, 0.1, ["1.25", "-0.5", "0.203", "3.0"], [COLORS["C"]] * 4, size=0.5)
+    note = "code * 2**-7, exactly: the loss is all in the rounding;\n"
+    note += "the kernels dequantize in registers, the pool holds ~2x the tokens"
+    ax.text(3.2, 0.25, note, size=8, va="center")
+    return fig
+
+
 FIGURES: dict[str, Callable] = {
     "00_model": model,
     "01_contiguous_cache": contiguous_cache,
@@ -298,6 +317,7 @@ FIGURES: dict[str, Callable] = {
     "10_serving": serving,
     "11_overlap": overlap,
     "12_speculative": speculative,  # for the stage-12 page, written apart from this script
+    "13_fp8_kv_cache": fp8_kv_cache,
 }
 
 
