@@ -126,8 +126,8 @@ def test_task_1_a_value_past_the_range_clamps_to_448_never_nan(impl):
     got = impl.quantize(x, torch.tensor([0], dtype=torch.int32)).flatten().tolist()
     want = [0x7E, 0xFE, 0x7E, 0x7E]
     assert got == want, (
-        f"at e 0, 500, -1000, 448 and 1e9 clamp to +-448 (0x7E, 0xFE); torch would make NaN "
-        f"(0x7F) of what it cannot hold: expected {[hex(c) for c in want]}, got "
+        f"at e 0, 500, -1000, 448 and 1e9 clamp to +-448 (0x7E, 0xFE); a cast that does not "
+        f"saturate makes NaN (0x7F) of what it cannot hold: expected {[hex(c) for c in want]}, got "
         f"{[hex(c) for c in got]}"
     )
 
