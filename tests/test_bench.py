@@ -196,6 +196,7 @@ def test_a_served_report_with_an_unbounded_rate_is_strict_json(tmp_path):
         (["--max-model-len", "16"], "--max-model-len"),
         (["--max-num-seqs", "0"], "--max-num-seqs"),
         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+        (["--stage", "11,12", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype"),  # stage 13's
     ],
 )
 def test_bad_options_raise_an_error_naming_the_option(argv, option):
@@ -233,3 +234,11 @@ def test_bench_runs_stage_7_with_prefix_caching_on_or_off_as_asked(flag, saves, 
     (result,) = strict_json(out_file.read_text())["results"]
     prompt_tokens = sum(len(p) for p in make_workload(3, 24, 6).prompt_token_ids)
     assert (result["prefill_tokens"] < prompt_tokens) == saves
+
+
+def test_stage13_fp8_runs_beside_a_stage_that_keeps_the_models_dtype(capsys):
+    """--kv-cache-dtype fp8 reaches the stages that have an e4m3 pool; a stage before 13 runs
+    beside it on its own dtype, so one table compares them (as tp does for a stage before 09)."""
+    assert run_bench(parse(*TINY_RUN, "--stage", "11,13", "--kv-cache-dtype", "fp8")) == 0
+    out = capsys.readouterr().out
+    assert "nanoserve stage 11 (torch)" in out and "nanoserve stage 13 (torch, kv fp8)" in out

@@ -35,6 +35,7 @@ from nanoserve.llm_arguments import (
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.loader import load_model_config, model_source
 from nanoserve.models.registry import DEFAULT_MODEL
+from nanoserve.recipes.assemble import recipe_for
 from nanoserve.stages import require_implemented
 
 if TYPE_CHECKING:  # a learner's file imports every stage's API: only when --impl asks
@@ -252,6 +253,9 @@ def check_engine_flags(args, stages: list[int]) -> CheckedFlags:
     except InvalidOption as err:
         why = f"{err.value!r} is invalid; expected {err.expected}"
         raise ValueError(f"argument {flag_name(err.name)}: {why}") from None
+    with refusing_as("--kv-cache-dtype"):
+        if not any(config.kv_cache_dtype in recipe_for(n).kv_cache_dtypes for n in stages):
+            raise ValueError(f"{config.kv_cache_dtype!r} needs stage 13 or later (its e4m3 pool)")
     with refusing_as("--enable-prefix-caching"):
         for stage in stages:
             components = None if parts is None else parts.components

@@ -25,9 +25,9 @@ import torch
 
 from nanoserve.cache.fp8_pool import runs  # noqa: F401  (task 3: a step's slot_mapping, run by run)
 
-# Given (nanoserve/cache/fp8_pool.py): `runs(slot_mapping, block_size)`, the (first token, end token,
-# block, offset) of each run of consecutive slots of one block, padding (-1) skipped;
-# `power_of_two(exponent)`, 2**exponent as float32 from its bits; the pool, `Fp8KVPool`
+# Given (nanoserve/cache/fp8_pool.py): `runs(slot_mapping, block_size)`, the (first token,
+# end token, block, offset) of each run of consecutive slots of one block, padding (-1)
+# skipped; `power_of_two(exponent)`, 2**exponent as float32 from its bits; the pool, `Fp8KVPool`
 # (codes (2, L, num_blocks, block_size, H_kv, D) uint8, exponents (2, L, num_blocks, H_kv)
 # int32). Also given: the torch backend that calls your store and gather
 # (`TorchFp8Attention` in kernels/torch_fp8.py) and the Triton kernels.

@@ -68,6 +68,8 @@ def run_nanoserve(
 
     device = spec.device
     shards = recipe_for(stage).shards_model and config.tensor_parallel_size > 1
+    if config.kv_cache_dtype not in recipe_for(stage).kv_cache_dtypes:  # fp8 is stage 13's: a
+        config = dataclasses.replace(config, kv_cache_dtype="auto")  # stage before it, beside it
     yours = None if parts is None else parts.components
     components = prefix_caching_components(stage, config.enable_prefix_caching, yours)
     if shards:  # rank 0 and each worker build their own shard; the shared model sits idle
@@ -92,6 +94,7 @@ def run_nanoserve(
     prefill_tokens = engine.num_prefill_tokens - prefill_before
     output_tokens = sum(seq.num_completion_tokens for seq in seqs)
     ranks = f", tp {config.tensor_parallel_size}" if shards else ""
+    ranks += ", kv fp8" if config.kv_cache_dtype == "fp8" else ""
     yours = "" if parts is None else f", {parts.label}"
     name = f"nanoserve stage {stage} ({engine.attention.name}{ranks}{yours})"
     engine.shutdown()
