@@ -155,7 +155,8 @@ def loss_rows(name: str, loss: kv_loss.TextLoss) -> str:
 
 
 def loss_table(model, tokenizer, token_ids, exact_logits, args) -> None:
-    """Table 2: the e4m3 pool against the exact pool, teacher-forced, then greedy."""
+    """Table 2: the e4m3 pool against the exact pool, teacher-forced, then greedy; beside
+    them, for bfloat16, what the dtype itself costs against float32 (a yardstick)."""
     print(
         "| compared (reference -> candidate) | positions | mean KL | max KL | ppl reference "
         "| ppl candidate | ppl change | same top-1 |\n|---|---|---|---|---|---|---|---|"
@@ -167,22 +168,36 @@ def loss_table(model, tokenizer, token_ids, exact_logits, args) -> None:
         fp8 = kv_loss.text_logits(model, "fp8", token_ids, as_decode=True)
         loss = kv_loss.text_loss(exact_logits, fp8, token_ids)
         print(loss_rows(f"{args.dtype} exact pool -> e4m3 pool, one token per step", loss))
-    if model.dtype != torch.float32:  # the yardstick: what this dtype itself costs
+    f32 = None
+    if model.dtype != torch.float32:
         f32 = load_model("smollm2", torch.device("cpu"), torch.float32)
-        loss = kv_loss.text_loss(
-            kv_loss.text_logits(f32, "exact", token_ids), exact_logits, token_ids
-        )
+        f32_logits = kv_loss.text_logits(f32, "exact", token_ids)
+        loss = kv_loss.text_loss(f32_logits, exact_logits, token_ids)
         print(loss_rows(f"float32 exact pool -> {args.dtype} exact pool", loss))
     prompts = kv_loss.prompt_token_ids(tokenizer)
-    want, got = (kv_loss.greedy(model, kind, prompts, args.num_tokens) for kind in kv_loss.BACKENDS)
-    agreed = kv_loss.agreement(want, got, model.config.eos_token_ids)
-    num_tokens, num_divergences = sum(agreed.num_tokens), len(prompts) - agreed.num_identical
-    print(f"\nGreedy, {args.dtype}, {len(prompts)} prompts x {args.num_tokens} tokens, each cut")
-    print(f"after its first end token: {sum(agreed.num_agreed)} of {num_tokens} tokens agree")
-    print(f"before each prompt's first divergence ({100 * agreed.fraction:.1f} %);")
-    print(f"{agreed.num_identical} of {len(prompts)} completions identical; at")
-    print(f"{agreed.top5_at_divergence} of {num_divergences} divergences each side's token is in")
-    print(f"the other's top 5. Per prompt: {agreed.num_agreed} of {agreed.num_tokens}.")
+    exact, fp8_tokens = (
+        kv_loss.greedy(model, kind, prompts, args.num_tokens) for kind in kv_loss.BACKENDS
+    )
+    print_agreement(f"{args.dtype} exact pool -> e4m3 pool", exact, fp8_tokens, model, args)
+    if f32 is not None:
+        f32_tokens = kv_loss.greedy(f32, "exact", prompts, args.num_tokens)
+        print_agreement(
+            f"float32 exact pool -> {args.dtype} exact pool", f32_tokens, exact, model, args
+        )
+
+
+def print_agreement(title: str, reference, candidate, model, args) -> None:
+    """Greedy agreement of two runs over kv_loss.PROMPTS, as a short list."""
+    agreed = kv_loss.agreement(reference, candidate, model.config.eos_token_ids)
+    num_prompts = len(agreed.num_tokens)
+    num_agreed, num_tokens = sum(agreed.num_agreed), sum(agreed.num_tokens)
+    print(f"\nGreedy, {title}, {num_prompts} prompts x {args.num_tokens} tokens:\n")
+    print(f"- tokens equal before each prompt's first divergence: {num_agreed} of {num_tokens}")
+    print(f"  ({100 * agreed.fraction:.1f} %; each completion cut after its first end token)")
+    print(f"- identical completions: {agreed.num_identical} of {num_prompts}")
+    print("- divergences where each side's token is in the other's top 5: ", end="")
+    print(f"{agreed.top5_at_divergence} of {num_prompts - agreed.num_identical}")
+    print(f"- per prompt: {agreed.num_agreed} of {agreed.num_tokens}")
 
 
 def main() -> None:
