@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve import kv_loss
-from nanoserve.cache.fp8 import E4M3_MAX, dequantize, power_of_two, scale_exponent, write_run
+from nanoserve.cache.fp8 import dequantize, scale_exponent, write_run
+from nanoserve.cache.fp8_pool import E4M3_MAX, power_of_two
 from nanoserve.kernels.attention import NoCacheAttention, attend
 from nanoserve.models.loader import load_model, load_tokenizer
 from nanoserve.types import StepRow

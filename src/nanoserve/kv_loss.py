@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from nanoserve.cache.fp8 import Fp8KVPool
+from nanoserve.cache.fp8_pool import Fp8KVPool
 from nanoserve.cache.paged import PagedKVPool
 from nanoserve.engine.runner.input_packer import pack_rows
 from nanoserve.kernels.torch_fp8 import TorchFp8Attention
