@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from nanoserve.cache.fp8 import dequantize, write_run
-from nanoserve.cache.fp8_pool import SMALLEST_EXPONENT, power_of_two, runs
+from nanoserve.cache.fp8_pool import Fp8KVPool, power_of_two, runs
 from nanoserve.kernels.attention import attend, attend_decode_padded
 from nanoserve.kernels.torch_paged import TorchPagedAttention
 from nanoserve.types import AttentionMetadata
@@ -90,19 +90,17 @@ class DequantizedStore:
 
     def __init__(self, store=store_kvcache_fp8):
         self.store = store
-        self.shadows: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.shadows: dict[int, Fp8KVPool] = {}  # one single-layer e4m3 pool per layer's cache
 
     def __call__(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         shadow = self.shadows.get(k_cache.data_ptr())
         if shadow is None:
-            codes = [torch.zeros(c.shape, dtype=torch.uint8, device=c.device) for c in (k_cache,)]
-            codes.append(torch.zeros_like(codes[0]))
-            shape = (k_cache.shape[0], k_cache.shape[2])
-            exps = [torch.full(shape, SMALLEST_EXPONENT, dtype=torch.int32, device=k.device)
-                    for _ in range(2)]  # fmt: skip
-            shadow = self.shadows[k_cache.data_ptr()] = (*codes, *exps)
-        k_codes, v_codes, k_exps, v_exps = shadow
-        self.store(k, v, k_codes, v_codes, slot_mapping, k_scales=k_exps, v_scales=v_exps)
+            num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+            shadow = Fp8KVPool(num_blocks, block_size, 1, num_kv_heads, head_dim, k_cache.dtype,
+                               k_cache.device)  # fmt: skip
+            self.shadows[k_cache.data_ptr()] = shadow
+        (k_codes, v_codes), scales = shadow.layer_caches(0), shadow.layer_scales(0)
+        self.store(k, v, k_codes, v_codes, slot_mapping, **scales)
         for block in {b for _, _, b, _ in runs(slot_mapping, k_cache.shape[1])}:
-            k_cache[block] = dequantize(k_codes[block], k_exps[block], k_cache.dtype)
-            v_cache[block] = dequantize(v_codes[block], v_exps[block], v_cache.dtype)
+            k_cache[block] = dequantize(k_codes[block], scales["k_scales"][block], k_cache.dtype)
+            v_cache[block] = dequantize(v_codes[block], scales["v_scales"][block], v_cache.dtype)
