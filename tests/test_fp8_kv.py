@@ -65,6 +65,7 @@ def test_stage13_fp8_sampling_with_a_seed_is_the_oracles(tiny_checkpoints):
     assert [o.token_ids for o in fp8.generate(prompts, params, use_tqdm=False)] == want
 
 
+@pytest.mark.slow  # the interpreter, or two processes: make test runs it, make check not
 def test_stage13_fp8_triton_kernels_give_the_oracles_tokens(tiny_checkpoints):
     """The store kernel quantizes and the attention kernels dequantize in registers (here
     through Triton's interpreter): the same tokens as stage 11's kernels on the oracle's pool."""
@@ -144,6 +145,7 @@ def test_the_kernels_read_an_e4m3_pool_as_the_dequantized_pool_bit_for_bit(dtype
     assert torch.equal(got, paged_attention_decode(q, k_values, v_values, context, tables, 0.25))
 
 
+@pytest.mark.slow  # the interpreter, or two processes: make test runs it, make check not
 def test_two_ranks_on_e4m3_pools_give_one_ranks_tokens(tmp_path):
     """Tensor parallelism splits the KV heads; a scale is per head, so each rank's pool holds
     the codes and exponents one rank's pool holds for those heads: the same tokens."""
