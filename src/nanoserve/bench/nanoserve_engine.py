@@ -8,6 +8,7 @@ request, times the whole workload and frees the engine again. It prints and comp
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from nanoserve.bench.workload import (
     WARMUP_MAX_TOKENS,
@@ -18,8 +19,11 @@ from nanoserve.bench.workload import (
     timer,
 )
 from nanoserve.config import EngineConfig
+from nanoserve.kernels.compile_log import CompileLog
 from nanoserve.options import CheckedFlags
 from nanoserve.types import ModelSpec
+
+logger = logging.getLogger(__name__)
 
 
 def load_bench_model(flags: CheckedFlags, progress: bool = False):
@@ -72,23 +76,29 @@ def run_nanoserve(
         config = dataclasses.replace(config, kv_cache_dtype="auto")  # stage before it, beside it
     yours = None if parts is None else parts.components
     components = prefix_caching_components(stage, config.enable_prefix_caching, yours)
-    if shards:  # rank 0 and each worker build their own shard; the shared model sits idle
-        engine = start_engine(stage, config, spec, model.config.eos_token_ids, components)
-    else:  # a stage before 09 runs on one rank, beside the sharded one in the same table
-        config = dataclasses.replace(config, tensor_parallel_size=1)
-        engine = build_engine(stage, config, spec, model.config.eos_token_ids, components, model)
     params = [
         SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=m)
         for m in [WARMUP_MAX_TOKENS, *workload.max_tokens]
     ]
-    drive(engine, [workload.prompt_token_ids[0][:WARMUP_PROMPT_LEN]], params[:1])  # warm-up
+    eos = model.config.eos_token_ids
+    with CompileLog() as startup:  # building (graphs captured) and the warm-up request
+        if shards:  # rank 0 and each worker build their own shard; the shared model sits idle
+            engine = start_engine(stage, config, spec, eos, components)
+        else:  # a stage before 09 runs on one rank, beside the sharded one in the same table
+            config = dataclasses.replace(config, tensor_parallel_size=1)
+            engine = build_engine(stage, config, spec, eos, components, model)
+        drive(engine, [workload.prompt_token_ids[0][:WARMUP_PROMPT_LEN]], params[:1])
     preemptions_before = engine.scheduler.num_preemptions
     prefill_before = engine.num_prefill_tokens
     start = timer(device)
     label = f"stage {stage}" if progress else None
     speculation_before = getattr(engine, "speculation", None)
-    seqs = drive(engine, workload.prompt_token_ids, params[1:], label)
-    seconds = timer(device) - start
+    with CompileLog() as timed:
+        seqs = drive(engine, workload.prompt_token_ids, params[1:], label)
+        seconds = timer(device) - start
+    logger.info("stage %d start-up: %s", stage, startup.summary())
+    if timed.compiled or timed.graphs:  # the compile's seconds are in the engine's time
+        logger.warning("stage %d compiled inside its timed run: %s", stage, timed.summary())
     guesses = speculation_result(speculation_before, getattr(engine, "speculation", None))
     preemptions = engine.scheduler.num_preemptions - preemptions_before
     prefill_tokens = engine.num_prefill_tokens - prefill_before
@@ -101,7 +111,12 @@ def run_nanoserve(
     unfuse_small_ops(model)  # stage 08 fused the shared model's small ops: the next stage must not
     del engine, seqs
     release_memory(device)
-    return BenchResult(name, output_tokens, seconds, preemptions, None, prefill_tokens, *guesses)
+    counted = startup.available  # compiles counted only where Triton has a listener
+    return BenchResult(
+        name, output_tokens, seconds, preemptions, None, prefill_tokens, *guesses,
+        startup_compile_s=startup.seconds if counted else None,
+        timed_compiles=len(timed.compiled) if counted else None,
+    )  # fmt: skip
 
 
 def speculation_result(before, after) -> tuple[float | None, float | None]:

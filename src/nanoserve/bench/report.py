@@ -30,6 +30,8 @@ RUN_FIELDS = (
     "prefill_tokens",
     "acceptance_rate",
     "tokens_per_step",
+    "startup_compile_s",
+    "timed_compiles",
 )
 
 

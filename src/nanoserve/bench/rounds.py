@@ -142,6 +142,25 @@ def repeat_notes(runs: Sequence[Sequence[BenchResult]], num_warmups: int) -> lis
     return [f"note: {n}" for n in notes]
 
 
+def compile_notes(runs: Sequence[Sequence[BenchResult]]) -> list[str]:
+    """Per engine that counted them: Triton's compile seconds at start-up, run by run, and the
+    kernels built inside the timed runs (whose seconds the engine's time then includes). Silent
+    where nothing compiled (the interpreter, a peer)."""
+    notes = []
+    for engine_runs in runs:
+        counted = [r for r in engine_runs if r.startup_compile_s is not None]
+        timed = sum(r.timed_compiles or 0 for r in counted)
+        if not counted or (timed == 0 and not any(r.startup_compile_s for r in counted)):
+            continue
+        startup = " / ".join(f"{r.startup_compile_s:.1f}" for r in counted)
+        notes.append(
+            f"note: {engine_runs[0].engine}: Triton compile at start-up {startup} s; "
+            f"{timed} kernel{'s' * (timed != 1)} compiled inside the timed run"
+            f"{'s' * (len(counted) != 1)}"
+        )
+    return notes
+
+
 def run_line(round_number: int, repeat: int, result: BenchResult, kind: str = "round") -> str:
     """One finished run as a progress line: which round (or warm-up round), which engine, how
     fast."""

@@ -29,6 +29,7 @@ from nanoserve.bench.plot import check_plot, plot_report
 from nanoserve.bench.report import bench_report, write_json
 from nanoserve.bench.rounds import (
     EngineSummary,
+    compile_notes,
     ratio,
     repeat_notes,
     run_line,
@@ -165,7 +166,8 @@ def run_bench(args) -> int:
         runners = engine_runners(args, flags, spec, model, stages, workload, stack)
         warmup_runs, runs = timed_rounds(args, runners)
     rows = [summarize(engine_runs) for engine_runs in runs]
-    print("\n".join(format_table(rows) + repeat_notes(runs, args.num_iters_warmup)))
+    notes = repeat_notes(runs, args.num_iters_warmup) + compile_notes(runs)
+    print("\n".join(format_table(rows) + notes))
     report = bench_report(args, header, stages, rows, spec.device, runs=runs, warmup=warmup_runs)
     write_outputs(args, report)
     return 0

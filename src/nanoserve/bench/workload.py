@@ -44,6 +44,8 @@ class BenchResult(NamedTuple):
     prefill_tokens: int | None = None  # prompt tokens computed (fewer with a prefix cache)
     acceptance_rate: float | None = None  # stage 12: guesses kept per guess
     tokens_per_step: float | None = None  # stage 12: tokens a verified sequence gains per step
+    startup_compile_s: float | None = None  # Triton's seconds building kernels before the clock
+    timed_compiles: int | None = None  # Triton kernels built while the clock ran (should be 0)
 
     @property
     def tokens_per_s(self) -> float:
