@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 
 class KernelCompile(NamedTuple):
@@ -40,8 +40,8 @@ class CompileLog:
     kernels: list[KernelCompile] = dataclasses.field(default_factory=list)
     graphs: int = 0  # torch.compile graphs built (dynamo's unique graphs)
     available: bool = False
-    _knobs: object = None
-    _previous: object = None
+    _knobs: Any = None
+    _previous: Any = None
     _graphs_before: int = 0
 
     def __enter__(self) -> CompileLog:
@@ -59,7 +59,7 @@ class CompileLog:
 
     def __exit__(self, *exc) -> None:
         if self._knobs is not None:
-            self._knobs.listener = self._previous  # type: ignore[attr-defined]
+            self._knobs.listener = self._previous
         self.graphs = _dynamo_graphs() - self._graphs_before
 
     def _heard(self, *, src, metadata, metadata_group, times, cache_hit) -> None:

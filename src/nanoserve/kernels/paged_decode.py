@@ -42,7 +42,8 @@ from nanoserve.kernels.paged_tiles import (
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit
+# Widths and partition counts vary from step to step: one build serves them all (do_not_specialize).
+@triton.jit(do_not_specialize=["block_tables_stride", "partition_size", "num_partitions"])
 def _decode_partition_kernel(
     q_ptr,
     k_cache_ptr,
@@ -122,7 +123,7 @@ def _decode_partition_kernel(
         tl.store(part_acc_ptr + part_idx[:, None] * HEAD_DIM + offs_d[None, :], acc, io_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["partition_size", "num_partitions"])
 def _decode_reduce_kernel(
     out_ptr,
     part_m_ptr,

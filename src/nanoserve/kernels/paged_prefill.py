@@ -47,7 +47,7 @@ from nanoserve.kernels.paged_tiles import (
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["block_tables_stride"])  # one build for every table width
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,

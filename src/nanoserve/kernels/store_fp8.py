@@ -93,7 +93,7 @@ def _code_ptrs(
     return cache_ptr + (slots * NUM_KV_HEADS * HEAD_DIM)[:, None] + dims[None, :]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # one build for every batch of tokens
 def _store_kvcache_fp8_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, slot_mapping_ptr,
     num_tokens, key_stride_t, key_stride_h, key_stride_d,

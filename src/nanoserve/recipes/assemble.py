@@ -71,7 +71,10 @@ def build_engine(
     """
     runner, manager, choice, scheduler = build_runner(stage, config, spec, components, model,
                                                       workers)  # fmt: skip
-    return LLMEngine(config, runner, manager, eos_ids, choice, scheduler)
+    engine = LLMEngine(config, runner, manager, eos_ids, choice, scheduler)
+    if spec.device.type == "cuda":  # compile every kernel now (the interpreter compiles none)
+        logger.info("start-up compile: %s", engine.warm_up().summary())
+    return engine
 
 
 def build_runner(

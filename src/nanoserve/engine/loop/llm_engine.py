@@ -23,6 +23,7 @@ from nanoserve.engine.memory.kv_manager import KVCacheManager
 from nanoserve.engine.runner.model_runner import ModelRunner
 from nanoserve.engine.speculation.policy import Speculation, SpeculationStats
 from nanoserve.kernels.backend import BackendChoice
+from nanoserve.kernels.compile_log import CompileLog
 from nanoserve.sampling import SamplingParams, clamp
 from nanoserve.types import Landed, ScheduledBatch, Sequence, StepOutput
 
@@ -134,6 +135,26 @@ class LLMEngine:
             self.on_step(
                 StepRecord(self.num_steps, plan, out.inputs, num_preempted, tuple(verdicts))
             )
+
+    def warm_up(self, prompt_len: int = 32, max_tokens: int = 4) -> CompileLog:
+        """Run one short request through the kinds of step the engine takes (a prefill, decode
+        steps, sampled tokens; at stage 12 with a proposer, guesses to verify: the prompt
+        repeats), so Triton compiles their kernels now, not inside a user's first request.
+        Returns what compiled; the engine's counters are left as they were before it.
+
+        One request covers every launch because the kernels do not specialize on the lengths
+        and widths that vary from step to step (`do_not_specialize`); CUDA graph capture has
+        already compiled the decode kernels of every captured batch size."""
+        counters = (self.num_steps, self.num_prefill_tokens, self.speculation)
+        length = min(prompt_len, self.config.max_model_len - max_tokens)
+        prompt = [n % 8 + 1 for n in range(length)]  # repeats: an n-gram proposer guesses
+        params = SamplingParams(temperature=1.0, ignore_eos=True, max_tokens=max_tokens)
+        with CompileLog() as log:
+            self.add_request(prompt, params)
+            while self.has_unfinished():
+                self.step()
+        self.num_steps, self.num_prefill_tokens, self.speculation = counters
+        return log
 
     def abort(self, seqs: Iterable[Sequence]) -> None:
         """Remove these requests from the queues and free their memory (finished ones: no-op).
