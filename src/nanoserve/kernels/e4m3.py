@@ -41,7 +41,9 @@ def e4m3_value(codes):
     mag = codes & 0x7F
     normal = ((mag << 20) + (120 << 23)).to(tl.float32, bitcast=True)
     value = tl.where(mag < 8, mag.to(tl.float32) * 0.001953125, normal)  # subnormal: m * 2**-9
-    return tl.where(codes >= 0x80, -value, value)  # 0x80 decodes to -0.0, as torch's
+    # The sign goes in as a bit: 0x80 decodes to -0.0, as torch's. (`-value` would not do: a GPU
+    # build computes it as 0 - value, which is +0.0 for 0; the interpreter's NumPy gives -0.0.)
+    return (value.to(tl.int32, bitcast=True) | ((codes & 0x80) << 24)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
