@@ -11,7 +11,7 @@ compiled. torch.compile's graphs (stage 08's fused small ops) are counted beside
     with CompileLog() as log:
         engine.step()
     log.kernels                # [KernelCompile("_prefill_kernel", 0.61, cache_hit=False), ...]
-    log.summary()              # "1 Triton kernel compiled (0.61 s: _prefill_kernel)"
+    log.summary()              # "1 Triton kernel built in 0.61 s: _prefill_kernel"
 
 Listens through `triton.knobs.compilation.listener` (Triton >= 3.4); where that knob is missing,
 `log.available` is False and nothing is counted. The interpreter compiles nothing.
