@@ -116,27 +116,48 @@ def test_the_kernels_read_an_e4m3_pool_as_the_dequantized_pool_bit_for_bit(dtype
     registers) give exactly what the same kernels give over the values `DequantizedStore` wrote:
     the two compute on the same numbers. Two sequences, tables out of order, a partial block."""
     pytest.importorskip("triton")
+    read_e4m3_as_dequantized(dtype, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_kernels_convert_e4m3_in_hardware_as_the_bits_decode(dtype):
+    """On a GPU with fp8 instructions the tile loader converts the codes in hardware
+    (`e4m3_to_float`); the kernels still give, bit for bit, what they give over the dequantized
+    values."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from nanoserve.kernels.e4m3 import converts_fp8
+
+    device = torch.device("cuda")
+    if not converts_fp8(torch.empty(0, device=device)):
+        pytest.skip("this GPU has no fp8 conversion (compute capability below 8.9)")
+    read_e4m3_as_dequantized(dtype, device)
+
+
+def read_e4m3_as_dequantized(dtype: torch.dtype, device) -> None:
     from nanoserve.kernels.paged_decode import paged_attention_decode
     from nanoserve.kernels.paged_prefill import paged_attention_prefill
     from nanoserve.kernels.torch_fp8 import store_kvcache_fp8
 
     torch.manual_seed(0)
-    pool = Fp8KVPool(16, 4, 1, 2, 16, dtype, "cpu")
+    pool = Fp8KVPool(16, 4, 1, 2, 16, dtype, device)
     (k_codes, v_codes), scales = pool.layer_caches(0), pool.layer_scales(0)
-    k_values = torch.zeros(16, 4, 2, 16, dtype=dtype)
+    k_values = torch.zeros(16, 4, 2, 16, dtype=dtype, device=device)
     v_values = torch.zeros_like(k_values)
-    tables = torch.tensor([[3, 7, 1, -1], [5, 2, -1, -1]], dtype=torch.int32)
+    tables = torch.tensor([[3, 7, 1, -1], [5, 2, -1, -1]], dtype=torch.int32, device=device)
     lens = [10, 6]
     slots = torch.tensor(
-        [int(tables[b, p // 4]) * 4 + p % 4 for b, n in enumerate(lens) for p in range(n)]
+        [int(tables[b, p // 4]) * 4 + p % 4 for b, n in enumerate(lens) for p in range(n)],
+        device=device,
     )
-    k = torch.randn(sum(lens), 2, 16, dtype=dtype) * 3
-    v = torch.randn(sum(lens), 2, 16, dtype=dtype)
+    k = (torch.randn(sum(lens), 2, 16) * 3).to(device, dtype)
+    v = torch.randn(sum(lens), 2, 16).to(device, dtype)
     store_kvcache_fp8(k, v, k_codes, v_codes, slots, **scales)
     DequantizedStore()(k, v, k_values, v_values, slots)
-    q = torch.randn(sum(lens), 4, 16, dtype=dtype)
-    cu = torch.tensor([0, 10, 16], dtype=torch.int32)
-    context = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(sum(lens), 4, 16).to(device, dtype)
+    cu = torch.tensor([0, 10, 16], dtype=torch.int32, device=device)
+    context = torch.tensor(lens, dtype=torch.int32, device=device)
     got = paged_attention_prefill(q, k_codes, v_codes, cu, context, tables, 10, 0.25, **scales)
     want = paged_attention_prefill(q, k_values, v_values, cu, context, tables, 10, 0.25)
     assert torch.equal(got, want)

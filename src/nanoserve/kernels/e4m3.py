@@ -3,7 +3,9 @@
 Introduced in stage 13. NumPy has no float8, so Triton's interpreter cannot convert to or from
 it; these do it with integer arithmetic on float32 bits, the same on a CPU and a GPU, and bit for
 bit what torch's float8_e4m3fn conversions (and `cache/fp8.py`) give. The store kernel
-(`store_fp8.py`) encodes; the attention kernels' tile loader (`paged_tiles.py`) decodes.
+(`store_fp8.py`) encodes; the attention kernels' tile loader (`paged_tiles.py`) decodes, with
+`e4m3_to_float`: on a GPU with fp8 instructions (compute capability 8.9 and up: Ada, Hopper)
+one hardware conversion, which gives the same values, else the bits.
 
     e4m3 code   s eeee mmm         value = (1 + m/8) * 2**(e - 7), or m * 2**-9 when e = 0
     float32     s eeeeeeee mmm0...0 (20 zero bits): the same value when e_32 = e + 120
@@ -11,6 +13,7 @@ bit what torch's float8_e4m3fn conversions (and `cache/fp8.py`) give. The store 
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -44,6 +47,23 @@ def e4m3_value(codes):
     # The sign goes in as a bit: 0x80 decodes to -0.0, as torch's. (`-value` would not do: a GPU
     # build computes it as 0 - value, which is +0.0 for 0; the interpreter's NumPy gives -0.0.)
     return (value.to(tl.int32, bitcast=True) | ((codes & 0x80) << 24)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_to_float(codes, HARDWARE: tl.constexpr):
+    """float32 values of e4m3 codes (uint8). HARDWARE: the GPU converts them (a bitcast to
+    float8e4nv, torch's float8_e4m3fn, then one conversion instruction per pair): exact, as the
+    bits are. On the H200 the bit arithmetic made the fp8 decode kernel 2.2x slower than
+    bfloat16's for half the bytes (docs/benchmarks.md, "Where a decode step's time goes")."""
+    if HARDWARE:
+        return codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return e4m3_value(codes)
+
+
+def converts_fp8(cache: torch.Tensor) -> bool:
+    """True when the kernels may convert e4m3 codes in hardware: a CUDA device of compute
+    capability 8.9 or more (the interpreter, on a CPU, decodes the bits)."""
+    return cache.is_cuda and torch.cuda.get_device_capability(cache.device) >= (8, 9)
 
 
 @triton.jit

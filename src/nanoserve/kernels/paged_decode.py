@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoserve.kernels.e4m3 import converts_fp8
 from nanoserve.kernels.paged_tiles import (
     LOG2E,
     NEG_BIG,
@@ -73,6 +74,7 @@ def _decode_partition_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     ACC_DTYPE: tl.constexpr,
+    FP8_HARDWARE: tl.constexpr,
 ):
     seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)  # 0 on a padding row
@@ -108,6 +110,7 @@ def _decode_partition_kernel(
             k_scales_ptr,
             v_scales_ptr,
             q_ptr.dtype.element_ty,
+            FP8_HARDWARE,
         )
         visible = (offs_n < part_end)[None, :]  # the one query is last: it sees all context
         m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, ACC_DTYPE)
@@ -225,6 +228,7 @@ def paged_attention_decode(
         BLOCK_N=block_n,
         SPLIT=num_partitions > 1,
         ACC_DTYPE=acc_dtype(q),
+        FP8_HARDWARE=k_scales is not None and converts_fp8(k_cache),
         num_warps=num_warps,
         num_stages=num_stages,
     )

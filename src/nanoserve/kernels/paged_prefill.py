@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoserve.kernels.e4m3 import converts_fp8
 from nanoserve.kernels.paged_tiles import (
     LOG2E,
     NEG_BIG,
@@ -72,6 +73,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ACC_DTYPE: tl.constexpr,
+    FP8_HARDWARE: tl.constexpr,
 ):
     seq, head = tl.program_id(0), tl.program_id(1)
     # The longest programs first: in a prompt, query tile m attends to (m + 1) * BLOCK_M keys,
@@ -121,6 +123,7 @@ def _prefill_kernel(
             k_scales_ptr,
             v_scales_ptr,
             q_ptr.dtype.element_ty,
+            FP8_HARDWARE,
         )
         visible = offs_n[None, :] <= q_pos[:, None]  # causal: a row sees keys up to itself
         m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, ACC_DTYPE)
@@ -141,6 +144,7 @@ def _prefill_kernel(
             k_scales_ptr,
             v_scales_ptr,
             q_ptr.dtype.element_ty,
+            FP8_HARDWARE,
         )
         # visible=True: nothing hidden; the compiler drops the select tl.where(True, s, -inf).
         m_i, l_i, acc = online_softmax_step(q, k, v, True, m_i, l_i, acc, qk_scale, ACC_DTYPE)
@@ -205,6 +209,7 @@ def paged_attention_prefill(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         ACC_DTYPE=acc_dtype(q),
+        FP8_HARDWARE=k_scales is not None and converts_fp8(k_cache),
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve.kernels.e4m3 import e4m3_value, power_of_two
+from nanoserve.kernels.e4m3 import e4m3_to_float, power_of_two
 
 # Where position n of sequence b lives in one layer's cache (num_blocks, block_size, H_kv, D):
 #
@@ -44,12 +44,14 @@ def load_kv_tile(
     k_scales_ptr=None,
     v_scales_ptr=None,
     DTYPE: tl.constexpr = None,
+    FP8_HARDWARE: tl.constexpr = False,
 ):
     """K and V of positions offs_n (BLOCK_N,) of one kv head: two (BLOCK_N, BLOCK_D) tiles.
 
     Stage 13: with scale pointers given, the caches hold e4m3 codes and each block one exponent
     per kv head; the tiles come back dequantized, in DTYPE (the queries' dtype), exactly the
-    values a pool of that dtype would hold after `DequantizedStore`."""
+    values a pool of that dtype would hold after `DequantizedStore` (FP8_HARDWARE: the GPU
+    converts the codes, `e4m3_to_float`)."""
     in_context = offs_n < context_len
     block_id = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=in_context, other=0)
     slot = block_id.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE  # int64: big pools
@@ -64,8 +66,8 @@ def load_kv_tile(
         scale_idx = block_id.to(tl.int64) * NUM_KV_HEADS + kv_head  # (BLOCK_N,): each row's block
         k_exp = tl.load(k_scales_ptr + scale_idx, mask=in_context, other=0)
         v_exp = tl.load(v_scales_ptr + scale_idx, mask=in_context, other=0)
-        k = (e4m3_value(codes_k) * power_of_two(k_exp)[:, None]).to(DTYPE)
-        v = (e4m3_value(codes_v) * power_of_two(v_exp)[:, None]).to(DTYPE)
+        k = (e4m3_to_float(codes_k, FP8_HARDWARE) * power_of_two(k_exp)[:, None]).to(DTYPE)
+        v = (e4m3_to_float(codes_v, FP8_HARDWARE) * power_of_two(v_exp)[:, None]).to(DTYPE)
     return k, v
 
 
