@@ -136,7 +136,7 @@ def test_gpu_kernels_convert_e4m3_in_hardware_as_the_bits_decode(dtype):
 
 
 def read_e4m3_as_dequantized(dtype: torch.dtype, device) -> None:
-    from nanoserve.kernels.paged_decode import paged_attention_decode
+    from nanoserve.kernels.paged_decode import FP8_DECODE_TILE, paged_attention_decode
     from nanoserve.kernels.paged_prefill import paged_attention_prefill
     from nanoserve.kernels.torch_fp8 import store_kvcache_fp8
 
@@ -162,8 +162,14 @@ def read_e4m3_as_dequantized(dtype: torch.dtype, device) -> None:
     want = paged_attention_prefill(q, k_values, v_values, cu, context, tables, 10, 0.25)
     assert torch.equal(got, want)
     q = q[[9, 15]]
-    got = paged_attention_decode(q, k_codes, v_codes, context, tables, 0.25, **scales)
-    assert torch.equal(got, paged_attention_decode(q, k_values, v_values, context, tables, 0.25))
+    want = paged_attention_decode(q, k_values, v_values, context, tables, 0.25)
+    assert torch.equal(
+        paged_attention_decode(q, k_codes, v_codes, context, tables, 0.25, **scales), want
+    )
+    # a GPU decodes e4m3 codes in tiles of FP8_DECODE_TILE keys: one tile past every context
+    tile = dict(block_n=FP8_DECODE_TILE, partition_size=FP8_DECODE_TILE)
+    got = paged_attention_decode(q, k_codes, v_codes, context, tables, 0.25, **tile, **scales)
+    assert torch.equal(got, want)
 
 
 @pytest.mark.slow  # the interpreter, or two processes: make test runs it, make check not

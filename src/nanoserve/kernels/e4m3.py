@@ -50,15 +50,15 @@ def e4m3_value(codes):
 
 
 @triton.jit
-def e4m3_to_float(codes, HARDWARE: tl.constexpr):
-    """float32 values of e4m3 codes (uint8). HARDWARE: the GPU converts them (a bitcast to
-    float8e4nv, torch's float8_e4m3fn, then one conversion instruction per pair): exact, as the
-    bits are. On the H200, at batch 256 and context 1,024, the decode kernel took 17.3 ms with
-    the bits and 10.8 ms converting in hardware (docs/benchmarks.md, "Where a decode step's
-    time goes")."""
+def e4m3_to_float(codes, DTYPE: tl.constexpr, HARDWARE: tl.constexpr):
+    """Values of e4m3 codes (uint8) in DTYPE (every e4m3 value is exact in bfloat16, float16 and
+    float32). HARDWARE: the GPU converts them (a bitcast to float8e4nv, torch's float8_e4m3fn,
+    then a conversion instruction): exact, as the bits are. On the H200, at batch 256 and
+    context 1,024, the decode kernel took 17.3 ms with the bits and 10.8 ms converting in
+    hardware (docs/benchmarks.md, "Where a decode step's time goes")."""
     if HARDWARE:
-        return codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    return e4m3_value(codes)
+        return codes.to(tl.float8e4nv, bitcast=True).to(DTYPE)
+    return e4m3_value(codes).to(DTYPE)
 
 
 def converts_fp8(cache: torch.Tensor) -> bool:

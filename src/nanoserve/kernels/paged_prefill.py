@@ -109,7 +109,7 @@ def _prefill_kernel(
     # num_stages >= 3) serialises every wgmma of the kernel (its message C7515).
     for start_n in range(kv_full_end, kv_end, BLOCK_N):  # the diagonal tiles: masked
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k, v = load_kv_tile(
+        k, v, k_scale, v_scale = load_kv_tile(
             k_cache_ptr,
             v_cache_ptr,
             table,
@@ -126,11 +126,13 @@ def _prefill_kernel(
             FP8_HARDWARE,
         )
         visible = offs_n[None, :] <= q_pos[:, None]  # causal: a row sees keys up to itself
-        m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, ACC_DTYPE)
+        m_i, l_i, acc = online_softmax_step(
+            q, k, v, visible, m_i, l_i, acc, qk_scale, ACC_DTYPE, k_scale, v_scale
+        )
 
     for start_n in range(0, kv_full_end, BLOCK_N):  # the full tiles: no mask
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k, v = load_kv_tile(
+        k, v, k_scale, v_scale = load_kv_tile(
             k_cache_ptr,
             v_cache_ptr,
             table,
@@ -147,7 +149,9 @@ def _prefill_kernel(
             FP8_HARDWARE,
         )
         # visible=True: nothing hidden; the compiler drops the select tl.where(True, s, -inf).
-        m_i, l_i, acc = online_softmax_step(q, k, v, True, m_i, l_i, acc, qk_scale, ACC_DTYPE)
+        m_i, l_i, acc = online_softmax_step(
+            q, k, v, True, m_i, l_i, acc, qk_scale, ACC_DTYPE, k_scale, v_scale
+        )
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i > 0 on every real row (key 0)
     out_ptrs = out_ptr + q_rows * out_stride_t + head * out_stride_h + offs_d[None, :]

@@ -46,12 +46,15 @@ def load_kv_tile(
     DTYPE: tl.constexpr = None,
     FP8_HARDWARE: tl.constexpr = False,
 ):
-    """K and V of positions offs_n (BLOCK_N,) of one kv head: two (BLOCK_N, BLOCK_D) tiles.
+    """K and V of positions offs_n (BLOCK_N,) of one kv head: two (BLOCK_N, BLOCK_D) tiles, and
+    the scale of each tile's rows (1.0: none).
 
     Stage 13: with scale pointers given, the caches hold e4m3 codes and each block one exponent
-    per kv head; the tiles come back dequantized, in DTYPE (the queries' dtype), exactly the
-    values a pool of that dtype would hold after `DequantizedStore` (FP8_HARDWARE: the GPU
-    converts the codes, `e4m3_to_float`)."""
+    per kv head. The tiles come back as the codes' values in DTYPE (the queries' dtype;
+    FP8_HARDWARE: the GPU converts them, `e4m3_to_float`) and the scales as (1, BLOCK_N) rows of
+    2**e, which `online_softmax_step` applies to the scores and the probabilities: BLOCK_G x
+    BLOCK_N products instead of BLOCK_N x BLOCK_D. Scaling by a power of two is exact, so the
+    result is bit for bit what a pool of DTYPE holding the dequantized values gives."""
     in_context = offs_n < context_len
     block_id = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=in_context, other=0)
     slot = block_id.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE  # int64: big pools
@@ -60,33 +63,38 @@ def load_kv_tile(
     if k_scales_ptr is None:
         k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=mask, other=0.0)
         v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=mask, other=0.0)
+        return k, v, 1.0, 1.0
     else:
         codes_k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=mask, other=0)
         codes_v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=mask, other=0)
         scale_idx = block_id.to(tl.int64) * NUM_KV_HEADS + kv_head  # (BLOCK_N,): each row's block
         k_exp = tl.load(k_scales_ptr + scale_idx, mask=in_context, other=0)
         v_exp = tl.load(v_scales_ptr + scale_idx, mask=in_context, other=0)
-        k = (e4m3_to_float(codes_k, FP8_HARDWARE) * power_of_two(k_exp)[:, None]).to(DTYPE)
-        v = (e4m3_to_float(codes_v, FP8_HARDWARE) * power_of_two(v_exp)[:, None]).to(DTYPE)
-    return k, v
+        k = e4m3_to_float(codes_k, DTYPE, FP8_HARDWARE)
+        v = e4m3_to_float(codes_v, DTYPE, FP8_HARDWARE)
+        return k, v, power_of_two(k_exp)[None, :], power_of_two(v_exp)[None, :]
 
 
 @triton.jit
-def online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, ACC_DTYPE: tl.constexpr):
+def online_softmax_step(
+    q, k, v, visible, m_i, l_i, acc, qk_scale, ACC_DTYPE: tl.constexpr, k_scale=1.0, v_scale=1.0
+):
     """Fold one key tile into the running (max m_i, sum l_i, weighted values acc) of each row.
+    Stage 13: k_scale, v_scale are the tile's row scales (`load_kv_tile`), applied to the scores
+    and to the probabilities the values are weighted by.
 
     Online softmax: after any prefix of the keys, acc / l_i is the softmax-weighted mean of the
     values seen so far. A new tile may raise a row's max from m to m'; everything summed so far
     was weighted by exp2(s - m), so multiplying by alpha = exp2(m - m') re-weights it to m'.
     """
     # Scores in log2 units: qk_scale = scale * log2(e), so exp(scale * q.k) = exp2(score).
-    s = tl.dot(q, tl.trans(k), input_precision="ieee", out_dtype=ACC_DTYPE) * qk_scale
+    s = tl.dot(q, tl.trans(k), input_precision="ieee", out_dtype=ACC_DTYPE) * qk_scale * k_scale
     s = tl.where(visible, s, float("-inf"))  # (rows, BLOCK_N)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])  # hidden keys: exp2(-inf) = 0
     l_i = l_i * alpha + tl.sum(p, 1)
-    pv = tl.dot(p.to(v.dtype), v, input_precision="ieee", out_dtype=ACC_DTYPE)
+    pv = tl.dot((p * v_scale).to(v.dtype), v, input_precision="ieee", out_dtype=ACC_DTYPE)
     acc = acc * alpha[:, None] + pv
     return m_new, l_i, acc
 
