@@ -381,11 +381,28 @@ def test_malformed_json_and_an_oversized_body_are_4xx_and_the_engine_serves_on(s
 # ---- the other routes ----
 
 
-def test_models_health_and_metrics(served, client):
-    url = served[0]
+def test_models_health_and_metrics(served, client, monkeypatch):
+    """/v1/models names the model, /health answers ok, /metrics has the engine's gauges and both
+    latency histograms, and one streamed request adds one time to first token and a gap between
+    tokens for every token after its first chunk's."""
+    url, llm, _ = served
     assert [m.id for m in client.models.list()] == [MODEL]
     assert httpx.get(f"{url}/health", timeout=TIMEOUT).json() == {"status": "ok"}
-    client.completions.create(model=MODEL, prompt="count me", max_tokens=5)
+    before = httpx.get(f"{url}/metrics", timeout=TIMEOUT).text
+    # from its first token on, each step waits until the client has read the first chunk: the
+    # first chunk carries the prefill's token alone, and every later token comes a step later,
+    # after a gap the server measures (a reader left behind would get all of them in one chunk)
+    first_chunk_read = threading.Event()
+    step = held(llm.engine.step, first_chunk_read, lambda: most_completion_tokens(llm.engine) >= 1)
+    monkeypatch.setattr(llm.engine, "step", step)
+    chunks = []
+    stream = client.completions.create(
+        model=MODEL, prompt="count me", max_tokens=5, stream=True, extra_body={"ignore_eos": True}
+    )
+    for chunk in stream:
+        if chunk.choices[0].model_extra["token_ids"]:  # (a last chunk may carry none)
+            chunks.append(chunk.choices[0].model_extra["token_ids"])
+            first_chunk_read.set()
     text = httpx.get(f"{url}/metrics", timeout=TIMEOUT).text
     for name in (
         "requests_running",
@@ -398,8 +415,17 @@ def test_models_health_and_metrics(served, client):
         assert re.search(rf"^nanoserve_{name} \d", text, re.M), name
     for name in ("time_to_first_token_seconds", "inter_token_latency_seconds"):
         assert f"# TYPE nanoserve_{name} histogram" in text
-        assert gauge(text, f"{name}_count") > 0
         assert re.search(rf'^nanoserve_{name}_bucket{{le="\+Inf"}} \d+(\.0)?$', text, re.M)
+    # the request's first token, then a gap for each token after the first chunk's (k for a
+    # chunk of k): counted, not timed, and none of it left to what earlier tests sent
+    added = {
+        name: gauge(text, f"{name}_count") - gauge(before, f"{name}_count")
+        for name in ("time_to_first_token_seconds", "inter_token_latency_seconds")
+    }
+    gaps = sum(map(len, chunks[1:]))
+    assert gaps > 0, f"all in the first chunk: {chunks}"
+    want = {"time_to_first_token_seconds": 1, "inter_token_latency_seconds": gaps}
+    assert added == want, f"added {added} for the chunks {chunks}"
 
 
 def test_an_api_key_guards_every_route_but_health_and_the_server_stops_cleanly(folder):
