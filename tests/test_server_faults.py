@@ -276,6 +276,36 @@ def test_slow_headers_and_a_slow_body_are_answered_408_and_closed(llm, monkeypat
         kept.close()
 
 
+def test_a_request_pipelined_behind_another_is_not_timed_out_while_it_runs(llm, monkeypatch):
+    """Two requests in one write (HTTP/1.1 pipelining): when the first response completes, the
+    second request starts at once, and its headers are in, so the header clock must stay stopped
+    while it runs (it was started again, and a running request got 408 after header_timeout_s).
+    After the last response the clock starts, for the next request's headers."""
+    from nanoserve.serving.connections import GuardedH11Protocol
+
+    responses = []  # per response: did the next request start, and the header clock after it
+    response_complete = GuardedH11Protocol.on_response_complete
+
+    def recording_response_complete(self):
+        cycle = self.cycle
+        response_complete(self)
+        started = "the next request started" if self.cycle is not cycle else "nothing waiting"
+        clock = "clock running" if self.header_timer is not None else "clock stopped"
+        responses.append(f"{started}, {clock}")
+
+    monkeypatch.setattr(GuardedH11Protocol, "on_response_complete", recording_response_complete)
+    limits = ServerLimits(header_timeout_s=TIMEOUT)  # observed, never waited for
+    with ServerThread(create_app(llm, MODEL, limits=limits)) as base_url:
+        sock = open_socket(base_url)
+        sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n" * 2)
+        wait_until(lambda: len(responses) == 2, "both responses complete")
+        sock.close()
+    assert responses == [
+        "the next request started, clock stopped",
+        "nothing waiting, clock running",
+    ], responses
+
+
 # ---- API keys: checked first, from a file or the environment, never empty ----
 
 

@@ -139,9 +139,10 @@ def guarded_protocol(limits: ServerLimits) -> type[H11Protocol]:
 class GuardedH11Protocol(H11Protocol):
     """One connection: refused when there are too many, closed when its headers are too slow.
 
-    The header clock starts when the socket opens and again after every response, and stops
-    when a request's headers are complete (uvicorn then starts a request cycle); the body's
-    clock is BodyReader's. A request that is running is never timed out here.
+    The header clock starts when the socket opens and again after every response (unless a
+    request pipelined behind it has started), and stops when a request's headers are complete
+    (uvicorn then starts a request cycle); the body's clock is BodyReader's. A request that is
+    running is never timed out here.
     """
 
     max_connections: int | None = None
@@ -167,8 +168,9 @@ class GuardedH11Protocol(H11Protocol):
             self.stop_header_clock()
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if not self.transport.is_closing():
+        cycle = self.cycle
+        super().on_response_complete()  # starts a request pipelined behind this one, if any
+        if self.cycle is cycle and not self.transport.is_closing():
             self.start_header_clock()  # the next request's headers, on a kept-alive socket
 
     def connection_lost(self, exc) -> None:
