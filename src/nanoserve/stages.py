@@ -204,6 +204,7 @@ STAGES: tuple[Stage, ...] = (
         reference_modules=(
             "engine/runner/persistent_batch.py",
             "engine/runner/overlap_runner.py",
+            "engine/runner/launched.py",
             "engine/loop/scheduler.py",
             "samplers/device_sampler.py",
             "recipes/overlap.py",

@@ -22,7 +22,8 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine.loop.scheduler import Scheduler
 from nanoserve.engine.memory.kv_manager import KVCacheManager
 from nanoserve.engine.runner.input_packer import InputPacker
-from nanoserve.engine.runner.overlap_runner import OverlapRunner, Proposer
+from nanoserve.engine.runner.launched import Proposer
+from nanoserve.engine.runner.overlap_runner import OverlapRunner
 from nanoserve.engine.runner.persistent_batch import PersistentBatch
 from nanoserve.kernels.backend import AttentionBackend
 from nanoserve.models.config import ModelConfig

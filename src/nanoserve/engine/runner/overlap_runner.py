@@ -33,7 +33,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import nullcontext
-from typing import NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -42,14 +41,20 @@ from nanoserve.engine.runner.cuda_graphs import bucket_for
 from nanoserve.engine.runner.device_batch import to_device_ints
 from nanoserve.engine.runner.graph_buffers import view_rows
 from nanoserve.engine.runner.input_packer import verify_rows
+from nanoserve.engine.runner.launched import (
+    Launched,
+    Proposer,
+    guesses_ahead,
+    needs_filter,
+    to_host,
+)
 from nanoserve.engine.runner.model_runner import ModelRunner, completes_prompt, forward_logits
 from nanoserve.engine.runner.persistent_batch import PersistentBatch
-from nanoserve.engine.runner.verify_step import Guesses, record_logprobs, resolve_ahead, verdict_of
-from nanoserve.logprobs import LogprobTensors, PendingLogprobs, pending_logprobs
+from nanoserve.engine.runner.verify_step import Guesses, record_logprobs, resolve_ahead
+from nanoserve.logprobs import LogprobTensors, pending_logprobs
 from nanoserve.samplers.device_sampler import sample
 from nanoserve.samplers.speculative_sampler import RULE, Rule, verify
 from nanoserve.types import (
-    Landed,
     ScheduledBatch,
     Sequence,
     StepInputs,
@@ -57,55 +62,6 @@ from nanoserve.types import (
     StepOutput,
     StepRow,
 )
-
-
-class Launched(NamedTuple):
-    """A step the device is running (or has run): its batch and its tokens, once they land."""
-
-    batch: ScheduledBatch
-    inputs: StepInputs
-    sampled: list[int]  # which of batch.seqs sample a token (a prefill chunk does not)
-    tokens: torch.Tensor  # (len(sampled),) on the host; pinned and filled late on a GPU
-    ready: torch.cuda.Event | None  # fires when `tokens` holds the step's tokens (None: CPU)
-    logprobs: PendingLogprobs | None = None  # host copies beside `tokens`, when some row asked
-    num_columns: int = 0  # a verify step's (stage 12): tokens = [drawn | accepted | guesses]
-
-    def landed(self) -> Landed:
-        """Wait for the step's tokens: per sequence of the batch, [its token], or [] for a
-        prefill chunk that sampled nothing; after a verify step, its kept guesses then the drawn
-        token (and what it guessed). The logprobs asked for are stored first."""
-        if self.ready is not None:
-            self.ready.synchronize()
-        if self.logprobs is not None:
-            self.logprobs.record()
-        values = self.tokens.tolist()
-        if self.num_columns:
-            return verdict_of(self.batch, values, self.num_columns)
-        out: list[list[int]] = [[] for _ in self.batch.seqs]
-        for i, token_id in zip(self.sampled, values):
-            out[i] = [token_id]
-        return Landed(self.batch, out)
-
-
-class Proposer(Protocol):
-    """Stage 12: what guesses (engine/speculation/): up to budgets[b] tokens for seqs[b], and
-    the distribution each guess was drawn from ((B, K, V), or None when every guess is sure)."""
-
-    def propose(
-        self, seqs: list[Sequence], budgets: tuple[int, ...]
-    ) -> tuple[list[list[int]], torch.Tensor | None]: ...
-
-
-def guesses_ahead(proposer) -> bool:
-    """True for a proposer that may guess while the step before is still in flight: it looks
-    its guesses up from the tokens the host knows (n-gram), and the device keeps the ones that
-    follow what that step gained (`resolve_ahead`). A draft model needs every token first."""
-    return bool(getattr(proposer, "guesses_ahead", False))
-
-
-def needs_filter(seq: Sequence) -> bool:
-    """True when seq's sampling cuts the distribution (top-k or top-p)."""
-    return seq.params.top_k is not None or seq.params.top_p < 1.0
 
 
 class OverlapRunner(ModelRunner):
@@ -338,16 +294,3 @@ class OverlapRunner(ModelRunner):
             return super().fan_out(batch)
         rows = [StepRow([0], len(seq) - 1, seq.block_table) for seq in batch.seqs]
         return self.workers.step(StepMessage(False, rows, len(rows), ids_from_first_rank=True))
-
-
-def to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
-    """Start copying tensors to the host: (the host tensors, an event that fires when they are
-    there). The tokens alone unless some row asked for logprobs."""
-    if tensors[0].device.type != "cuda":
-        return tensors, None
-    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-    for source, target in zip(tensors, host):
-        target.copy_(source, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record()
-    return host, ready

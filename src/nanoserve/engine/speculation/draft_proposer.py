@@ -27,7 +27,8 @@ import torch
 
 from nanoserve.engine.runner.device_batch import to_device_ints
 from nanoserve.engine.runner.input_packer import pack_rows
-from nanoserve.engine.runner.overlap_runner import OverlapRunner, needs_filter
+from nanoserve.engine.runner.launched import needs_filter
+from nanoserve.engine.runner.overlap_runner import OverlapRunner
 from nanoserve.models.decoder import CausalLM
 from nanoserve.samplers.device_sampler import row_keys
 from nanoserve.samplers.speculative_sampler import DRAFT_STREAM, draw, probabilities

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.runner.overlap_runner import OverlapRunner, Proposer
+from nanoserve.engine.runner.launched import Proposer
+from nanoserve.engine.runner.overlap_runner import OverlapRunner
 from nanoserve.engine.speculation.draft_proposer import Draft, DraftProposer
 from nanoserve.engine.speculation.ngram_proposer import NgramProposer, propose_ngram
 
