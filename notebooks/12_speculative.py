@@ -334,3 +334,22 @@ for step, step_seqs in steps:
             assert len(s.table_after) == blocks, f"step {step}: room for {s.keeps} tokens"
             assert s.table_after == s.table_before[: len(s.table_after)]
 print(f"{len(steps)} verify steps: every rollback kept just the room still written")
+
+# %% [markdown]
+# ## What it buys on a GPU
+#
+# This notebook's model is tiny and runs on a CPU, where a kept guess is nearly a free token. On
+# the H200 (SmolLM2-135M, the repeat workload, 256 tokens per request; three interleaved rounds
+# per cell, `tools/sweep_speculation.py`; every run in `docs/benchmarks.md`, "Stage 12 by batch
+# size"), stage 12 against stage 11, greedy:
+#
+# | requests at once | 2 guesses | 4 guesses | 8 guesses |
+# |---:|---:|---:|---:|
+# | 1 | 1.12x | **1.18x** | 1.16x |
+# | 4 | 1.02x | 1.04x | 1.08x |
+# | 16 | 0.88x | 0.83x | – |
+# | 64 | 0.66x | 0.69x | – |
+#
+# A verify step there costs about one and a half plain steps (the lookup, the picking and the
+# verdict are small launches around the graph replay), and a batch waits for its slowest
+# request, so guessing pays only for a sequence alone: that is `GUESSES_BY_BATCH`.
