@@ -7,6 +7,7 @@ how a child that fails or hangs is reported. Nothing here times anything.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import textwrap
 from types import SimpleNamespace
@@ -141,10 +142,19 @@ def test_a_peer_path_with_nanovllm_and_flash_attn_leaves_only_what_the_machine_l
     assert ["Qwen3 only" in wrong[0], "--dtype bfloat16" in wrong[1]] == [True, True]
 
 
-def test_missing_flash_attn_says_how_to_build_it(fake_peer):
+def test_missing_flash_attn_says_how_to_install_or_build_it(fake_peer):
     with pytest.raises(ValueError, match=r"^argument --compare: .*build_fa2\.sh") as error:
         check_peer(gpu_flags(), str(fake_peer))
+    assert "pip install flash-attn --no-build-isolation" in str(error.value)  # a user's machine
     assert "nanovllm" not in str(error.value)  # the fake is found on the peer path
+
+
+def test_missing_nanovllm_says_where_to_install_it_from():
+    if importlib.util.find_spec("nanovllm") is not None:
+        pytest.skip("nanovllm is installed on this machine")
+    (missing, *_) = missing_requirements(gpu_flags(), None)
+    assert "pip install git+https://github.com/GeeeekExplorer/nano-vllm.git" in missing, missing
+    assert "--peer-path DIR" in missing, missing
 
 
 # ---- GPU defaults ----

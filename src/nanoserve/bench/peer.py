@@ -63,13 +63,15 @@ def missing_requirements(flags, peer_path: str | None) -> list[str]:
     missing = []
     if not is_importable("nanovllm", peer_path):
         missing.append(
-            "the nanovllm package is not importable (pass --peer-path DIR, a nano-vLLM source "
-            "checkout such as .peer/nano-vllm)"
+            "the nanovllm package is not importable (pip install "
+            "git+https://github.com/GeeeekExplorer/nano-vllm.git, after flash-attn; or pass "
+            "--peer-path DIR, a nano-vLLM source checkout)"
         )
     if not is_importable("flash_attn", peer_path):
         missing.append(
-            "flash_attn is not importable (build it, e.g. bash .peer/build_fa2.sh, and put "
-            "/tmp/fa on PYTHONPATH)"
+            "flash_attn is not importable (pip install flash-attn --no-build-isolation: a "
+            "release wheel for your torch, or a build; this project's kit: bash "
+            ".peer/build_fa2.sh, then /tmp/fa on PYTHONPATH)"
         )
     if flags.device.type != "cuda":
         missing.append(f"the device is {flags.device.type}, not CUDA (run it on a GPU machine)")
