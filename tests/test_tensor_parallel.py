@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from multiprocessing.synchronize import SemLock
 from pathlib import Path
@@ -176,12 +177,23 @@ def run_script(body: str, tmp_path: Path, *args: str, interrupt_after: str | Non
         preexec_fn=with_default_sigint,  # a Ctrl-C reaches it however the suite was started
     )
     lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if interrupt_after and line.startswith(interrupt_after):
-            proc.send_signal(signal.SIGINT)
-    proc.wait(timeout=120)
-    return "".join(lines)
+    hung = threading.Event()  # a child that never ends fails the test instead of hanging the suite
+    watchdog = threading.Timer(SCRIPT_DEADLINE_S, lambda: (hung.set(), proc.kill()))
+    watchdog.start()
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if interrupt_after and line.startswith(interrupt_after):
+                proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+    finally:
+        watchdog.cancel()
+    printed = "".join(lines)
+    assert not hung.is_set(), f"the script ran past {SCRIPT_DEADLINE_S} s; it printed:\n{printed}"
+    return printed
+
+
+SCRIPT_DEADLINE_S = 600  # far past a slow machine's run (tens of seconds): only a hang reaches it
 
 
 def pids_alive(pids: list[int]) -> list[int]:
