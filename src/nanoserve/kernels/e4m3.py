@@ -13,6 +13,8 @@ one hardware conversion, which gives the same values, else the bits.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -63,8 +65,14 @@ def e4m3_to_float(codes, DTYPE: tl.constexpr, HARDWARE: tl.constexpr):
 
 def converts_fp8(cache: torch.Tensor) -> bool:
     """True when the kernels may convert e4m3 codes in hardware: a CUDA device of compute
-    capability 8.9 or more (the interpreter, on a CPU, decodes the bits)."""
-    return cache.is_cuda and torch.cuda.get_device_capability(cache.device) >= (8, 9)
+    capability 8.9 or more (the interpreter, on a CPU, decodes the bits). Asked at every
+    launch, so each device is looked up once."""
+    return cache.is_cuda and _has_fp8_instructions(cache.device.index or 0)
+
+
+@functools.cache
+def _has_fp8_instructions(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
 @triton.jit
