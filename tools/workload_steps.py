@@ -23,6 +23,7 @@ plus its attention at --flops. It asserts nothing: a measuring tool for docs/ben
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from typing import NamedTuple
@@ -66,12 +67,13 @@ def record(engine, steps: list[Step]):
 def step_times(steps: list[Step], end: float) -> list[float]:
     """Step k's seconds: from its stamp to the next one's (the last: to the run's end)."""
     stamps = [s.stamp for s in steps] + [end]
-    return [b - a for a, b in zip(stamps, stamps[1:])]
+    return [b - a for a, b in itertools.pairwise(stamps)]
 
 
 def report(steps: list[Step], seconds: list[float], model_config, weight_bytes: int, args) -> None:
     c = model_config
-    kv_bytes_per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * args.kv_bytes
+    kv_bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim
+    kv_bytes_per_token *= args.kv_bytes
     matmul_params = args.params - c.vocab_size * c.hidden_size * (not c.tie_word_embeddings)
     total = sum(seconds)
     print(f"run {total:.3f} s, {len(steps)} steps; roofline at {args.bandwidth / 1e12:.1f} TB/s "
@@ -91,8 +93,10 @@ def report(steps: list[Step], seconds: list[float], model_config, weight_bytes: 
         secs = sum(t for _, t in picked)
         tokens = sum(s.tokens for s, _ in picked)
         if name == "prefill":
-            attention = sum(4 * s.query_context * c.num_attention_heads * c.head_dim for s, _ in picked)
-            roof = (2 * matmul_params * tokens + attention * c.num_hidden_layers / 2) / args.flops
+            # QK^T and PV, 2 FLOPs a product, half the pairs under the causal mask
+            pairs = sum(s.query_context for s, _ in picked) / 2
+            attention = 4 * pairs * c.num_attention_heads * c.head_dim * c.num_hidden_layers
+            roof = (2 * matmul_params * tokens + attention) / args.flops
         else:
             read = sum(weight_bytes + s.context * kv_bytes_per_token for s, _ in picked)
             roof = read / args.bandwidth
