@@ -217,6 +217,15 @@ def test_rounds_interleave_every_engine_round_by_round():
     ]
     assert heard == [1, 1, 1, 2, 2, 2, 3, 3, 3]
 
+    order.clear()
+    runs = run_rounds([runner("a"), runner("b"), runner("peer")], 3, alternate=True)
+    assert order == ["peer", "b", "a", "a", "b", "peer", "peer", "b", "a"]
+    assert [[r.seconds for r in engine_runs] for engine_runs in runs] == [
+        [3, 4, 9],  # each engine's runs still in its own row, in run order
+        [2, 5, 8],
+        [1, 6, 7],
+    ]
+
 
 # ---- the HF folder nano-vLLM loads ----
 

@@ -282,15 +282,14 @@ def test_graph_replay_gives_the_eager_tokens_for_every_batch_size(tiny_checkpoin
 
 
 def test_fused_small_ops_can_be_undone_so_a_shared_model_runs_plain_again(tiny_checkpoints):
+    from nanoserve.layers.activation import silu_mul
     from nanoserve.layers.compiled import fuse_small_ops, unfuse_small_ops
-    from nanoserve.layers.norm import RMSNorm
-    from nanoserve.layers.rotary import apply_rotary
 
     folder, _ = tiny_checkpoints["qwen3"]
     model = LLM(str(folder), stage=0, device="cpu", dtype="float64").model
     assert fuse_small_ops(model) > 0  # compiles lazily: nothing runs here
     unfuse_small_ops(model)
     for module in model.modules():
-        assert "forward" not in module.__dict__
-        if isinstance(module, RMSNorm) or hasattr(module, "rotate"):
-            assert getattr(module, "rotate", apply_rotary) is apply_rotary
+        for name in ("forward", "add_then_norm", "norm_and_rotate"):
+            assert name not in module.__dict__, (type(module).__name__, name)
+        assert getattr(module, "act", silu_mul) is silu_mul

@@ -125,3 +125,21 @@ def test_the_triton_kernel_draws_the_torch_expressions_tokens():
         keys = row_keys(seeds, torch.arange(16, device=device) * 7)
         want = gumbel_argmax(logits, temperature, keys)
         assert fused(logits, temperature, keys).tolist() == want.tolist()
+        # tiles of 16 split each row into spans of 32 (10 and 157 of them): the same tokens
+        assert fused(logits, temperature, keys, block=16).tolist() == want.tolist()
+
+
+def test_split_rows_break_ties_to_the_first_index_and_survive_rows_of_minus_infinity():
+    """The kernels split a row into spans: equal maxima in different spans give the first
+    index (as argmax does), and a row with nothing left to draw gives 0 (as one pass did)."""
+    pytest.importorskip("triton")
+    from nanoserve.kernels.gumbel import gumbel_argmax as fused
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    logits = torch.zeros(3, 200, device=device)
+    logits[0, [70, 130, 199]] = 5.0  # three spans of 32 hold the maximum; argmax says 70
+    logits[1] = -torch.inf
+    logits[2, 33] = logits[2, 31] = 1.0  # a tie across a span boundary (32)
+    greedy = torch.zeros(3, device=device)
+    keys = torch.arange(3, device=device)
+    assert fused(logits, greedy, keys, block=16).tolist() == [70, 0, 31]

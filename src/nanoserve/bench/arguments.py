@@ -87,6 +87,12 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         "but are not counted in any figure (vLLM's name; default: %(default)s)",
     )
     p.add_argument(
+        "--alternate",
+        action="store_true",
+        help="run odd rounds in reverse order (the peer first) and even rounds in table order, "
+        "so that no engine always runs first",
+    )
+    p.add_argument(
         "--hf-batch-size", type=positive_int, default=None, help="CPU (default: all requests)"
     )
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results here")

@@ -10,6 +10,9 @@ medians, and each round's own ratio is listed beside it (issue 31). It times not
     round 1:  a ─ b ─ peer        runs[0] = [a1, a2, a3]  -> summarize -> a's row
     round 2:  a ─ b ─ peer        runs[1] = [b1, b2, b3]  -> summarize -> b's row, b/a of medians
     round 3:  a ─ b ─ peer        round_ratios: [b1/a1, b2/a2, b3/a3], [p1/a1, p2/a2, p3/a3]
+
+With --alternate, odd rounds run the table backwards (peer ─ b ─ a) and even rounds forwards,
+so that no engine always runs first, on the least warmed-up machine.
 """
 
 from __future__ import annotations
@@ -26,12 +29,15 @@ def run_rounds(
     runners: Sequence[Callable[[], BenchResult]],
     repeat: int,
     on_run: Callable[[int, BenchResult], None] | None = None,
+    alternate: bool = False,
 ) -> list[list[BenchResult]]:
     """Call every runner once per round, `repeat` rounds; each runner's results in run order.
-    `on_run(round, result)` hears of each run as it ends (round counts from 1)."""
+    `on_run(round, result)` hears of each run as it ends (round counts from 1); alternate: odd
+    rounds call the runners last to first."""
     runs: list[list[BenchResult]] = [[] for _ in runners]
     for round_number in range(1, repeat + 1):
-        for engine_runs, runner in zip(runs, runners):
+        order = list(zip(runs, runners))
+        for engine_runs, runner in order[::-1] if alternate and round_number % 2 else order:
             result = runner()
             engine_runs.append(result)
             if on_run is not None:

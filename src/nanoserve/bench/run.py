@@ -181,9 +181,12 @@ def timed_rounds(args, runners: list[Runner]) -> tuple[Runs, Runs]:
         return lambda n, result: print(run_line(n, num_rounds, result, kind), flush=True)
 
     num_warmups = args.num_iters_warmup
-    warmup_runs = run_rounds(runners, num_warmups, report("warm-up round", num_warmups))
+    warmup_runs = run_rounds(
+        runners, num_warmups, report("warm-up round", num_warmups), args.alternate
+    )
     shown = args.repeat > 1 or num_warmups > 0
-    runs = run_rounds(runners, args.repeat, report("round", args.repeat) if shown else None)
+    on_run = report("round", args.repeat) if shown else None
+    runs = run_rounds(runners, args.repeat, on_run, args.alternate)
     return warmup_runs, runs
 
 

@@ -1,7 +1,8 @@
 """RMSNorm, the only normalization the Llama / Qwen families use.
 
 Introduced in stage 00. It reduces in at least float32 (bf16 sums lose too many bits) and never in
-less; it has no fused residual-add variant, on purpose, so the arithmetic is easy to follow.
+less. `add_then_norm` is the residual add and the norm after it, written as the two plain steps
+they are; layers/compiled.py compiles the pair into one kernel on a GPU.
 """
 
 import torch
@@ -24,6 +25,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
 
+    def add_then_norm(self, x: torch.Tensor, delta: torch.Tensor):
+        """(x + delta, the norm of x + delta): a residual add, then this norm."""
+        return add_rms_norm(x, delta, self.weight, self.eps)
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x (..., size) with a learned scale weight (size,)."""
@@ -31,3 +36,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     variance = x_wide.pow(2).mean(-1, keepdim=True)
     x_normed = x_wide * torch.rsqrt(variance + eps)
     return weight * x_normed.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(x + delta, rms_norm(x + delta)): the residual stream after the add, and its norm."""
+    x = x + delta
+    return x, rms_norm(x, weight, eps)

@@ -48,7 +48,6 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
-        self.rotate = apply_rotary  # layers/compiled.py may swap in a fused version on a GPU
 
     def forward(self, x: torch.Tensor, rope: tuple, attn, metadata) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -56,11 +55,16 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # this rank's heads
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotate(q, k, *rope)
+        q, k = self.norm_and_rotate(q, k, *rope)
         out = attn.forward(self.layer_id, q, k, v, self.scale, metadata)  # (T, H, D)
         return self.o_proj(out.reshape(num_tokens, -1))
+
+    def norm_and_rotate(self, q: torch.Tensor, k: torch.Tensor, cos, sin):
+        """Qwen3 normalizes each head of q and k; then RoPE rotates both. On a GPU,
+        layers/compiled.py runs the lot as one compiled kernel."""
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rotary(q, k, cos, sin)
 
 
 class MLP(nn.Module):
@@ -87,7 +91,12 @@ def swiglu(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: to
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    The last add is left to whoever comes next: a layer returns (x, the MLP's output) and the
+    next layer adds the two just before its own first norm, so that on a GPU the add and the
+    norm run as one kernel (`RMSNorm.add_then_norm`, compiled by layers/compiled.py). The sums
+    are the same ones, in the same order."""
 
     def __init__(self, config: ModelConfig, layer_id: int, tp: TensorParallel):
         super().__init__()
@@ -96,9 +105,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, tp)
 
-    def forward(self, x: torch.Tensor, rope: tuple, attn, metadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, attn, metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, delta: torch.Tensor, rope: tuple, attn, metadata):
+        """x: the residual stream; delta: the layer before's MLP output, not yet added to it."""
+        x, h = self.input_layernorm.add_then_norm(x, delta)
+        attended = self.self_attn(h, rope, attn, metadata)
+        x, h = self.post_attention_layernorm.add_then_norm(x, attended)
+        return x, self.mlp(h)
 
 
 class DecoderModel(nn.Module):
@@ -116,10 +128,11 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn, metadata,
                 num_layers: int | None = None):  # fmt: skip
         x = self.embed_tokens(input_ids)  # (T, hidden)
+        delta = torch.zeros_like(x)  # nothing to add before the first layer
         rope = self.rotary.cos_sin(positions, x.dtype)  # (T, head_dim) each, shared by all layers
         for layer in self.layers[:num_layers]:  # stage 12's draft runs the first layers only
-            x = layer(x, rope, attn, metadata)
-        return self.norm(x)
+            x, delta = layer(x, delta, rope, attn, metadata)
+        return self.norm.add_then_norm(x, delta)[1]
 
 
 class CausalLM(nn.Module):
