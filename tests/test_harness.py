@@ -45,7 +45,12 @@ def all_graded_runs() -> dict[str, tuple]:
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {
             impl: pool.submit(
-                check.run_test_file, ROOT / files[0], impl, cwd=ROOT, extra_args=tuple(files[1:])
+                check.run_test_file,
+                ROOT / files[0],
+                impl,
+                cwd=ROOT,
+                extra_args=tuple(files[1:]),
+                deadline_s=1800,  # every graded file at once: minutes; a hang fails, named
             )
             for impl in IMPLS
         }

@@ -73,3 +73,13 @@ def test_each_stage_has_enough_distinct_mutants(stage):
     assert len({m.name for m in mutants}) == len(mutants), "two mutants share a name"
     sources = [mutated_source(m) for m in mutants]  # each edit applies exactly once
     assert len(set(sources)) == len(sources), "two mutants make the same program"
+
+
+def test_a_graded_run_past_its_deadline_is_killed_and_named(monkeypatch, tmp_path):
+    """A mutant that makes the graded file loop forever fails its test; it never hangs CI."""
+    import tests.mutants
+
+    monkeypatch.setattr(tests.mutants, "GRADE_DEADLINE_S", 0.5)  # no graded file is that fast
+    path = write_unmutated(2, next(m.module for m in MUTANTS if m.stage == 2), tmp_path)
+    with pytest.raises(TimeoutError, match=r"stage 2's graded file ran past 0\.5 s"):
+        grade(2, path)

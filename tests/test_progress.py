@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import sys
+import time
 
 import pytest
 import torch
@@ -55,6 +56,18 @@ def test_the_bar_counts_every_test_that_ran():
         )
     assert returncode == 0 and len(results) >= 2
     assert bar.n == bar.total == len(results)
+
+
+def test_a_run_past_its_deadline_is_killed_and_says_what_it_printed(tmp_path):
+    """A graded run that hangs (a learner's endless loop, a mutant's) ends at its deadline."""
+    stuck = tmp_path / "test_stuck.py"
+    stuck.write_text("import time\n\ndef test_stuck():\n    print('started', flush=True)\n"
+                     "    time.sleep(60)\n")  # fmt: skip
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"test_stuck\.py ran past 3 s and was killed") as e:
+        check.run_test_file(stuck, "ref", cwd=tmp_path, extra_args=("-s",), deadline_s=3)
+    assert time.monotonic() - start < 30
+    assert "started" in str(e.value)  # what it printed before it was killed
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -103,12 +104,14 @@ def run_test_file(
     cwd: Path | None = None,
     extra_args: tuple[str, ...] = (),
     bar: tqdm | None = None,
+    deadline_s: float | None = None,
 ) -> tuple[tuple[TestResult, ...], int, str]:
     """Results, pytest's exit status and its output for one test file run in a subprocess.
 
     The implementation travels in the environment (the root conftest.py reads it), so this
     works for any test file, graded or not. extra_args go to pytest as they are (e.g. "-x").
-    `bar`, if given, counts the tests as they finish.
+    `bar`, if given, counts the tests as they finish. deadline_s: kill a run that takes longer
+    and raise TimeoutError with what it printed (None: wait as long as it takes).
     """
     with tempfile.TemporaryDirectory(prefix="nanoserve-check-") as tmp:
         report_path, progress_path = Path(tmp) / "outcomes.jsonl", Path(tmp) / "progress.txt"
@@ -121,18 +124,29 @@ def run_test_file(
         with subprocess.Popen(
             command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         ) as proc:
-            stdout, stderr = _wait(proc, progress_path, bar)
+            stdout, stderr = _wait(proc, progress_path, bar, deadline_s)
         results = read_report(report_path)
     return results, proc.returncode, stdout + stderr
 
 
-def _wait(proc: subprocess.Popen, progress_path: Path, bar: tqdm | None) -> tuple[str, str]:
-    """(stdout, stderr) of the finished pytest; meanwhile `bar` follows its progress file."""
+def _wait(
+    proc: subprocess.Popen, progress_path: Path, bar: tqdm | None, deadline_s: float | None
+) -> tuple[str, str]:
+    """(stdout, stderr) of the finished pytest; meanwhile `bar` follows its progress file.
+    Past deadline_s the run is killed and TimeoutError says what it printed."""
+    start = time.monotonic()
     while True:
         try:
             output = proc.communicate(timeout=0.2)
         except subprocess.TimeoutExpired:  # no output is lost: the next call goes on reading
             output = None
+            if deadline_s is not None and time.monotonic() - start > deadline_s:
+                proc.kill()
+                printed = "".join(proc.communicate())
+                raise TimeoutError(
+                    f"pytest {proc.args[3]} ran past {deadline_s:g} s and "
+                    f"was killed; its last output:\n{printed[-3000:]}"
+                ) from None
         if bar is not None and progress_path.is_file():
             total, done = _progress(progress_path.read_text().splitlines())
             bar.total = total

@@ -184,6 +184,9 @@ def all_mutants() -> list[Mutant]:
     return [m for stage in stages for m in stage.MUTANTS]
 
 
+GRADE_DEADLINE_S = 900  # one graded file against one mutant: tens of seconds when it works
+
+
 def grade(stage: int, impl: Path, extra_args=("-x",)) -> tuple[tuple[TestResult, ...], int, str]:
     """(results, pytest's exit status, output) of stage's graded file run against impl."""
     test_file = grading.repo_root() / get_stage(stage).test_file
@@ -194,7 +197,14 @@ def grade(stage: int, impl: Path, extra_args=("-x",)) -> tuple[tuple[TestResult,
         context = _warm_context()
         process = context.Process(target=_pytest_main, args=(args, str(report), str(log)))
         process.start()
-        process.join()
+        process.join(GRADE_DEADLINE_S)
+        if process.is_alive():  # a mutant that loops forever must not hang `make test`
+            process.kill()
+            process.join()
+            raise TimeoutError(
+                f"stage {stage}'s graded file ran past {GRADE_DEADLINE_S} s against {impl}; "
+                f"killed. Its last output:\n{log.read_text()[-3000:]}"
+            )
         return check.read_report(report), process.exitcode, log.read_text()
 
 
