@@ -242,3 +242,32 @@ def test_stage13_fp8_runs_beside_a_stage_that_keeps_the_models_dtype(capsys):
     assert run_bench(parse(*TINY_RUN, "--stage", "11,13", "--kv-cache-dtype", "fp8")) == 0
     out = capsys.readouterr().out
     assert "nanoserve stage 11 (torch)" in out and "nanoserve stage 13 (torch, kv fp8)" in out
+
+
+def test_the_workload_steps_tool_splits_a_run_whose_steps_add_up_to_it(tmp_path):
+    """tools/workload_steps.py (a measuring tool for docs/benchmarks.md) still runs: on a tiny
+    model, its groups count every step once and the steps' seconds add up to the run's."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "steps.jsonl"
+    command = [sys.executable, str(root / "tools/workload_steps.py"), "--model", "tiny-llama",
+               "--device", "cpu", "--num-seqs", "5", "--max-input-len", "24",
+               "--max-output-len", "10", "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(root / "src"), "TRITON_INTERPRET": "1"}
+    printed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert printed.returncode == 0, printed.stderr[-2000:]
+    lines = printed.stdout.splitlines()
+    steps = [json.loads(line) for line in out.read_text().splitlines()]
+    run = float(lines[1].split()[1])  # "run 0.115 s, 11 steps; ..."
+    assert lines[1].split()[3] == str(len(steps))
+    groups = [line.split() for line in lines[3:] if not line.startswith("all")]
+    assert groups[0][0] == "prefill" and all(g[0] in ("prefill", "decode") for g in groups)
+    assert sum(int(g[-9]) for g in groups) == len(steps)  # every step in one group
+    assert sum(s["seconds"] for s in steps) == pytest.approx(run, abs=2e-3)
+    assert sum(s["tokens"] for s in steps if not s["prefill"]) == sum(
+        int(g[-8]) for g in groups if g[0] == "decode"
+    )

@@ -103,11 +103,11 @@ def report(steps: list[Step], seconds: list[float], model_config, weight_bytes: 
         roof_total += roof
         batch = sum(s.seqs for s, _ in picked) / n
         context = sum(s.context for s, _ in picked) / max(1, sum(s.seqs for s, _ in picked))
-        print(f"{name:<18}{n:>6}{tokens:>9}{secs:>8.3f}{100 * secs / total:>6.1f}%"
-              f"{1000 * secs / n:>9.3f}{batch:>7.1f}{context:>9.0f}{1000 * roof / n:>13.3f}"
-              f"{secs / roof:>9.2f}")  # fmt: skip
+        print(f"{name:<18}{n:>6}{tokens:>9}{secs:>8.3f}{100 * secs / total:>6.1f}% "
+              f"{1000 * secs / n:>8.3f} {batch:>6.1f} {context:>8.0f} {1000 * roof / n:>12.3f}"
+              f" {secs / roof:>8.2f}")  # fmt: skip
     print(f"{'all':<18}{len(steps):>6}{'':>9}{total:>8.3f}{'':>7}{'':>9}{'':>7}{'':>9}"
-          f"{'':>13}{total / roof_total:>9.2f}")  # fmt: skip
+          f"{'':>13} {total / roof_total:>8.2f}")  # fmt: skip
 
 
 def main() -> None:

@@ -124,16 +124,21 @@ def run_test_file(
         with subprocess.Popen(
             command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         ) as proc:
-            stdout, stderr = _wait(proc, progress_path, bar, deadline_s)
+            stdout, stderr = _wait(proc, progress_path, bar, (deadline_s, test_file.name))
         results = read_report(report_path)
     return results, proc.returncode, stdout + stderr
 
 
 def _wait(
-    proc: subprocess.Popen, progress_path: Path, bar: tqdm | None, deadline_s: float | None
+    proc: subprocess.Popen,
+    progress_path: Path,
+    bar: tqdm | None,
+    deadline: tuple[float | None, str] = (None, "pytest"),
 ) -> tuple[str, str]:
     """(stdout, stderr) of the finished pytest; meanwhile `bar` follows its progress file.
-    Past deadline_s the run is killed and TimeoutError says what it printed."""
+    deadline (seconds or None, the test file's name): past it the run is killed and
+    TimeoutError names the file and what it printed."""
+    deadline_s, name = deadline
     start = time.monotonic()
     while True:
         try:
@@ -144,7 +149,7 @@ def _wait(
                 proc.kill()
                 printed = "".join(proc.communicate())
                 raise TimeoutError(
-                    f"pytest {proc.args[3]} ran past {deadline_s:g} s and "
+                    f"pytest {name} ran past {deadline_s:g} s and "
                     f"was killed; its last output:\n{printed[-3000:]}"
                 ) from None
         if bar is not None and progress_path.is_file():
