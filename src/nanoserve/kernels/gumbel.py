@@ -18,7 +18,7 @@ each logit once and keep only a running best:
 Why a span per program and a second kernel: with one program per row, a batch of one ran a
 single program over all 151,936 logits, two logs each, while the other 131 SMs idled (180 us
 of a 2 ms step on the H200). Spans of SPAN_TILES tiles give a row 19 programs; picking among
-19 partial bests is a second launch of a few microseconds.
+19 partial bests is a second, small launch: B programs of 19 loads each.
 
 The noise is the torch expression's, bit for bit (the same lowbias32 on 32-bit unsigned lanes);
 the logs may differ from torch's in the last bit, so a token can change only where two scores

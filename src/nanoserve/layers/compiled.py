@@ -5,8 +5,9 @@ Introduced in stage 08. Eager torch runs each of these as several elementwise ke
 a square, a mean, an rsqrt, a multiply, a cast back), and at decode batch sizes every one of them
 is a full round trip through memory. `torch.compile` fuses each into a single Triton kernel, and
 the pairs the decoder runs back to back (the residual add and the norm after it; Qwen3's q and k
-norms and the rotation after them) into one kernel per pair: at decode batch sizes a step's time
-is mostly its count of small kernels (docs/benchmarks.md, "Where the workload's time goes").
+norms and the rotation after them) into one function per pair: a decode step pays about 2 ms
+for its small kernels whatever its batch, a third of a step at batch 186 and most of it at
+batch 16 (docs/benchmarks.md, "Where the workload's time goes").
 The plain functions stay the oracle and the CPU path; this swaps bound methods only, so
 parameter names, the state dict and the arithmetic's order of operations do not change.
 """
