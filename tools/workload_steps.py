@@ -52,6 +52,8 @@ class Step(NamedTuple):
 
 
 def record(engine, steps: list[Step]):
+    """Append a Step to steps at every step the engine runs (its `on_step`, before `update`)."""
+
     def on_step(rec) -> None:
         seqs = rec.batch.seqs
         tokens = [seq.num_scheduled_tokens if rec.batch.is_prefill else 1 for seq in seqs]
@@ -71,6 +73,8 @@ def step_times(steps: list[Step], end: float) -> list[float]:
 
 
 def report(steps: list[Step], seconds: list[float], model_config, weight_bytes: int, args) -> None:
+    """Print the run's time by group of steps (prefill, decode by batch size) beside each
+    group's roofline, and their ratio."""
     c = model_config
     kv_bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim
     kv_bytes_per_token *= args.kv_bytes
