@@ -201,9 +201,10 @@ def grade(stage: int, impl: Path, extra_args=("-x",)) -> tuple[tuple[TestResult,
         if process.is_alive():  # a mutant that loops forever must not hang `make test`
             process.kill()
             process.join()
+            printed = log.read_text() if log.is_file() else ""  # killed before it began
             raise TimeoutError(
                 f"stage {stage}'s graded file ran past {GRADE_DEADLINE_S} s against {impl}; "
-                f"killed. Its last output:\n{log.read_text()[-3000:]}"
+                f"killed. Its last output:\n{printed[-3000:]}"
             )
         return check.read_report(report), process.exitcode, log.read_text()
 
