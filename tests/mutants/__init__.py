@@ -149,38 +149,9 @@ def write_unmutated(stage: int, module: str, folder: Path) -> Path:
 
 
 def all_mutants() -> list[Mutant]:
-    """Every mutant of every stage, in stage order."""
-    from tests.mutants import (
-        stage_01,
-        stage_02,
-        stage_03,
-        stage_04,
-        stage_05,
-        stage_06,
-        stage_07,
-        stage_08,
-        stage_09,
-        stage_10,
-        stage_11,
-        stage_12,
-        stage_13,
-    )
-
-    stages = (
-        stage_01,
-        stage_02,
-        stage_03,
-        stage_04,
-        stage_05,
-        stage_06,
-        stage_07,
-        stage_08,
-        stage_09,
-        stage_10,
-        stage_11,
-        stage_12,
-        stage_13,
-    )
+    """Every mutant of every stage, in stage order (one module stage_NN.py per stage)."""
+    names = sorted(path.stem for path in Path(__file__).parent.glob("stage_[0-9][0-9].py"))
+    stages = [importlib.import_module(f"tests.mutants.{name}") for name in names]
     return [m for stage in stages for m in stage.MUTANTS]
 
 
