@@ -1,6 +1,6 @@
 """The rules the scheduler reads off one request: is it still prefilling, does the token the
 device owes it end it (stage 11), and why a token finishes it. Pure functions of a Sequence;
-the scheduler (scheduler.py) is what acts on them.
+the scheduler (scheduler.py, batch_selection.py) is what acts on them.
 """
 
 from __future__ import annotations

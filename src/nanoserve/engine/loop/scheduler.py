@@ -10,7 +10,7 @@ Introduced in stage 00. Every stage runs one loop (engine/loop/llm_engine.py):
 (`num_cached_tokens`), finishes requests (`Sequence.finish`) and frees them. Memory is the cache
 manager's business (`can_allocate/allocate/can_append/may_append/deallocate`); the scheduler asks.
 A step is all-prefill or all-decode, as in nano-vLLM; with enable_chunked_prefill a long prompt is
-prefilled over several steps.
+prefilled over several steps. Which sequences a step takes is batch_selection.py's.
 
 Two words from stage 11 on, where a step's tokens reach the host one step late: `commit` (when a
 step is launched: its K/V will be stored, and each sequence that samples owes the host a token,
@@ -23,7 +23,8 @@ from collections import deque
 from collections.abc import Iterable
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.loop.request_rules import finish_reason, is_prefilling, owes_its_last_token
+from nanoserve.engine.loop.batch_selection import select_decode, select_prefill
+from nanoserve.engine.loop.request_rules import finish_reason
 from nanoserve.engine.memory.kv_manager import (
     KVCacheManager,
     PrefixCachingManager,
@@ -83,10 +84,12 @@ class Scheduler:
             and any(seq.num_pending for seq in self.running)
         ):
             return self._plan([], is_prefill=False)  # a draft needs every token before it
-        prefill = self._schedule_prefill()
+        prefill = select_prefill(self.running, self.waiting, self.manager, self.config)
         if prefill:
             return self._plan(prefill, is_prefill=True)
-        seqs = self._schedule_decode()
+        seqs, self.running = select_decode(
+            self.running, self.manager, self.config, self.guessing, self.preempt
+        )
         if spec is None:
             return self._plan(seqs, is_prefill=False)
         guessing = self.guessing
@@ -125,57 +128,6 @@ class Scheduler:
         """seq left the running set (finished, preempted or aborted): the next plan tells the
         runner, which lets go of anything it holds for seq (stage 11: its device row)."""
         self.freed.append(seq)
-
-    def _schedule_prefill(self) -> list[Sequence]:
-        """Chunks of prefills in progress first, then newly admitted sequences, within budget."""
-        budget = self.config.max_num_batched_tokens
-        scheduled = [seq for seq in self.running if is_prefilling(seq)]  # chunked, unfinished
-        for seq in scheduled:
-            budget -= self._schedule_chunk(seq, budget)
-        while self.waiting and len(scheduled) < self.config.max_num_seqs and budget > 0:
-            seq = self.waiting[0]
-            if not self.config.enable_chunked_prefill and len(seq) > budget:
-                break  # whole prompts only: it waits for the next step's budget
-            if not self.manager.can_allocate(seq):
-                break
-            seq.num_cached_tokens = self.manager.allocate(seq)  # stage 07: a cached prefix
-            budget -= self._schedule_chunk(seq, budget)
-            seq.status = SequenceStatus.RUNNING
-            self.waiting.popleft()
-            self.running.append(seq)
-            scheduled.append(seq)
-        return scheduled
-
-    @staticmethod
-    def _schedule_chunk(seq: Sequence, budget: int) -> int:
-        """Schedule as many of seq's uncomputed tokens as the budget allows; returns how many."""
-        seq.num_scheduled_tokens = min(len(seq) - seq.num_cached_tokens, budget)
-        return seq.num_scheduled_tokens
-
-    def _schedule_decode(self) -> list[Sequence]:
-        """Decode the running sequences, except those whose owed token already ends them (stage
-        11: no step may run past a length limit); preempt the newest when memory runs out."""
-        done = [
-            s
-            for s in self.running
-            if owes_its_last_token(s, self.config.max_model_len, self.guessing.get(s.seq_id, 0))
-        ]
-        queue = deque(seq for seq in self.running if seq not in done)
-        scheduled: list[Sequence] = []
-        while queue and len(scheduled) < self.config.max_num_seqs:
-            seq = queue.popleft()
-            while not self.manager.can_append(seq):
-                if queue:  # free the newest sequence's memory and retry
-                    self.preempt(queue.pop())
-                else:  # seq is the only one left: it waits for memory itself
-                    self.preempt(seq)
-                    break
-            else:
-                self.manager.may_append(seq)
-                seq.num_scheduled_tokens = 1
-                scheduled.append(seq)
-        self.running = deque([*scheduled, *queue, *done])
-        return scheduled
 
     def make_room(self, seq: Sequence, budget: int) -> int:
         """Stage 12: grow seq's blocks for up to `budget` guesses past its tokens, with free
