@@ -71,7 +71,11 @@ class WorkerGroup:
             self.largest_message_bytes = max(self.largest_message_bytes, num_bytes)
             yield
         except BaseException as err:  # a dead peer, a collective error, or Ctrl-C mid-step
-            failure = self.describe_failure()
+            # A collective fails as soon as a killed peer's socket closes, which can be before
+            # that peer is reaped; on a loaded machine that took over a second (a test saw the
+            # bare gloo error). Ctrl-C keeps the shorter wait: the user is waiting on it.
+            interrupted = isinstance(err, KeyboardInterrupt)
+            failure = self.describe_failure(grace_s=1.0 if interrupted else 5.0)
             self.shutdown(broken=True, reason=failure or f"a step failed on rank 0: {err!r}")
             if failure is None:
                 raise
