@@ -2,6 +2,8 @@
 engine has (three model families, chunked prefill, prefix caching, preemption, two ranks over
 gloo), seeded tokens that ignore batch and chunking, and a persistent batch that mirrors the
 managers' tables. Float64 tiny checkpoints: a different batch shape cannot flip a greedy token.
+On a GPU: decode steps and stage 12's verify steps captured whole give the tokens of the same
+steps launched op by op.
 """
 
 from __future__ import annotations
@@ -97,3 +99,122 @@ def test_two_ranks_run_the_overlap_loop_and_give_one_ranks_tokens(tmp_path):
         got = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
         assert llm.engine.runner.workers is not None
     assert got == want
+
+
+def test_a_row_of_context_zero_is_padding_that_stores_and_reads_nothing():
+    # a captured step (engine/runner/step_graphs.py) pads its rows with the batch's padding row
+    import torch
+
+    from nanoserve.engine.runner.device_batch import DeviceBatch
+    from nanoserve.types import HostMetadata
+
+    batch = DeviceBatch(capacity=3, table_width=2, block_size=4, device="cpu")
+    assert batch.padding_row == 3 and len(batch.seq_lens) == 4, "one row past the capacity"
+    batch.block_tables[1] = torch.tensor([5, 2], dtype=torch.int32)
+    batch.seq_lens[1] = 7  # row 1 feeds its next token at position 6: block 2, slot 2 * 4 + 2
+    rows = torch.tensor([1, batch.padding_row])
+    host = HostMetadata([0, 1, 2], [7, 0], [[5, 2], []])
+    ctx = batch.seq_lens[rows]
+    step = batch.fill_rows(rows, ctx, batch.next_token_ids[rows], host, None)
+    assert step.metadata.slot_mapping.tolist() == [10, -1]
+    assert step.metadata.context_lens.tolist() == [7, 0]
+    assert step.positions.tolist() == [6, 0]
+    batch.grow(6)  # growing keeps the rows and moves the padding row past the new capacity
+    assert batch.padding_row == 6 and batch.seq_lens[[1, 6]].tolist() == [7, 0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_prompts", [1, 3, 5, 16])
+def test_decode_steps_captured_whole_give_the_tokens_of_steps_launched_one_by_one(num_prompts):
+    # stage 11 on a GPU replays whole decode steps (runner.steps); with it off, every step's
+    # inputs, LM head, sampler and record are launched from Python around the forward's graph
+    options = dict(dtype="float32", max_num_seqs=16, max_model_len=256, num_kv_blocks=256)
+    greedy = SamplingParams(max_tokens=20, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.9, seed=7, max_tokens=24, ignore_eos=True)
+    top_k = SamplingParams(temperature=1.1, top_k=30, seed=9, max_tokens=18, ignore_eos=True)
+    prompts = [[(13 * i + 7 * j) % 10000 for j in range(5 + 11 * i)] for i in range(num_prompts)]
+    params = [(greedy, seeded, top_k)[i % 3] for i in range(num_prompts)]
+
+    def run(captured: bool) -> tuple[list[list[int]], list[tuple[int, bool]]]:
+        llm = LLM("qwen3-0.6b", stage=11, **options)
+        runner = llm.engine.runner
+        assert runner.steps is not None, "stage 11 on one GPU captures its decode steps"
+        replays: list[tuple[int, bool]] = []
+        if captured:
+            original = runner.steps.run
+            runner.steps.run = lambda rows, f, host: (
+                replays.append((len(rows), f)) or original(rows, f, host)
+            )
+            runner.state.grow(runner.state.capacity * 2)  # new tensors: every graph recaptured
+        else:
+            runner.steps = None
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        padding = runner.state.padding_row
+        assert runner.state.seq_lens[padding].item() == 0, "the padding row stays empty"
+        return [o.token_ids for o in outs], replays
+
+    eager, _ = run(captured=False)
+    tokens, replays = run(captured=True)
+    assert tokens == eager
+    assert replays, "no decode step was replayed whole"
+    assert any(f for _, f in replays) == (num_prompts >= 3), "top-k rows take their own graph"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_verify_steps_captured_whole_give_the_tokens_of_verify_steps_launched_one_by_one(
+    temperature,
+):
+    # stage 12 guessing ahead on a GPU replays its verify steps (StepGraphs.run_verify): the
+    # picking of the guesses, the rows, the forward, the verdict and the record in one graph
+    options = dict(dtype="float32", max_num_seqs=16, max_model_len=256, num_kv_blocks=256)
+    options.update(speculative_method="ngram", num_speculative_tokens=3)
+    params = SamplingParams(temperature=temperature, seed=5, max_tokens=40, ignore_eos=True)
+    stretch = [(31 * j) % 10000 for j in range(12)]  # repeated: the lookup always finds guesses
+    prompts = [stretch * (2 + i) for i in range(3)]
+
+    def run(captured: bool) -> tuple[list[list[int]], list, int]:
+        llm = LLM("qwen3-0.6b", stage=12, **options)
+        runner, engine = llm.engine.runner, llm.engine
+        engine.scheduler.speculation.backoff.MAX_WAIT = 1  # guess at every step
+        shapes: list = []
+        if captured:
+            original = runner.steps.run_verify
+            runner.steps.run_verify = lambda rows, packed, shape, sampling: (
+                shapes.append((len(rows), shape)) or original(rows, packed, shape, sampling)
+            )
+        else:
+            runner.steps.verify_shape = lambda num_seqs, k, width: None  # op by op
+        before = engine.speculation.num_verify_steps
+        outs = llm.generate(prompts, [params] * len(prompts), use_tqdm=False)
+        assert runner.state.seq_lens[runner.state.padding_row].item() == 0
+        return [o.token_ids for o in outs], shapes, engine.speculation.num_verify_steps - before
+
+    eager, _, eager_verifies = run(captured=False)
+    tokens, shapes, verifies = run(captured=True)
+    assert tokens == eager
+    assert eager_verifies > 0 and verifies == eager_verifies
+    assert len(shapes) == verifies, "every verify step was one replay"
+    assert 3 in {n for n, _ in shapes}, "three sequences verified at once"
+
+
+def test_a_verify_step_takes_the_captured_shape_of_its_bucket_and_a_power_of_two_width():
+    # the host half of StepGraphs.run_verify: which graph a verify step replays (none: op by op)
+    from types import SimpleNamespace
+
+    import torch
+
+    from nanoserve.engine.runner.cuda_graphs import graph_buckets
+    from nanoserve.engine.runner.device_batch import DeviceBatch
+    from nanoserve.engine.runner.step_graphs import StepGraphs
+    from nanoserve.engine.runner.verify_step import AheadShape
+
+    state = DeviceBatch(capacity=16, table_width=4, block_size=4, device="cpu")
+    decode = SimpleNamespace(buckets=graph_buckets(16), pool=None, static=None)
+    steps = StepGraphs(torch.nn.Identity(), decode, state)
+    assert steps.verify_shape(3, 3, 8) == AheadShape(4, 3, 8)  # 4 x 4 rows: the widest bucket
+    # budgets cut to 1 near max_tokens while the lookup asks past a step in flight of 3 guesses
+    assert steps.verify_shape(3, 1, 6) == AheadShape(4, 1, 8)
+    assert steps.verify_shape(1, 3, 1) == AheadShape(1, 3, 1)
+    assert steps.verify_shape(5, 3, 8) is None, "8 sequences x 4 rows: past the 16 rows captured"
+    assert steps.verify_shape(17, 0, 2) is None, "wider than every bucket"

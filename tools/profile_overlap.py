@@ -2,6 +2,7 @@
 
     PYTHONPATH=src python3 tools/profile_overlap.py --stage 9 --stage 11 --batch 256 --context 1024
     PYTHONPATH=src python3 tools/profile_overlap.py --stage 11 --batch 1 --json timeline.json
+    PYTHONPATH=src python3 tools/profile_overlap.py --stage 11 --stage 12 --guesses 4 --batch 1
 
 Builds each stage's engine on a random-weight preset, admits `batch` requests of `context` prompt
 tokens, prefills them, then runs decode steps with `engine.step()` exactly as `LLM.generate`
@@ -10,6 +11,13 @@ work of each step is bracketed by two CUDA events (enqueued before its first ker
 last). Per stage it prints the median step (wall), the device busy time of a step (between its
 events) and the rest: host time the device waited for. --json writes every stamp, for the
 timeline picture of stage 11's notebook. On a CPU there is no device clock: only host phases.
+
+--guesses K (stage 12): every prompt is one stretch repeated, the n-gram lookup's proposal is
+padded to K guesses with the newest token, and the back-off is off: every decode step is a
+verify step (random weights keep few guesses; the step's cost is what is measured). The phases
+inside a step (lookup, inputs, replays, LM head, verdict) are stamped too. --kernels: per
+step, the CUDA runtime calls the host makes (kernel launches, copies, graph replays), from
+torch.profiler.
 It asserts nothing: a measuring tool for docs/benchmarks.md, never a test.
 """
 
@@ -25,6 +33,7 @@ import time
 import torch
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.engine.runner import overlap_runner
 
 
 class Stamps:
@@ -36,6 +45,7 @@ class Stamps:
         self.origin = self._event() if self.cuda else None
         self.phases: list[tuple[str, float, float]] = []
         self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.wrapped: list[tuple[object, str, object]] = []
 
     def _event(self) -> torch.cuda.Event:
         event = torch.cuda.Event(enable_timing=True)
@@ -60,7 +70,13 @@ class Stamps:
             self.phases.append((name, start, self.now()))
             return result
 
+        self.wrapped.append((obj, name, inner))
         setattr(obj, name, stamped)
+
+    def unwrap(self) -> None:
+        """Put every wrapped callable back (a module function outlives this engine)."""
+        for obj, name, inner in reversed(self.wrapped):
+            setattr(obj, name, inner)
 
     def device_intervals(self) -> list[tuple[float, float]]:
         """(start, end) ms of each step's device work, on the host's clock (CUDA only)."""
@@ -72,12 +88,46 @@ class Stamps:
         ]
 
 
+PHASES = (  # (the runner's attribute, method): the parts of a step, stamped where they exist
+    ("steps", "run"),  # stage 11: a decode step replayed whole
+    ("proposer", "propose"),
+    ("state", "send"),
+    ("steps", "run_verify"),  # stage 12: a verify step replayed whole
+    ("state", "decode_inputs"),
+    ("graphs", "replay_filled"),
+    ("model", "compute_logits"),
+)
+
+
+def prompt(i: int, args) -> list[int]:
+    """Request i's prompt: ids below 500 (every preset has them), or (--guesses) one stretch
+    of 50 repeated."""
+    if args.guesses:
+        return [(i * 97 + (j % 50) * 31) % 500 for j in range(args.context)]
+    return [(i * 31 + j) % 500 for j in range(args.context)]
+
+
 def profile(args, stage: int) -> dict:
-    llm = LLM(args.model, stage=stage, max_num_seqs=max(args.batch, 1), max_model_len=4096)
+    spec = {}
+    if stage == 12 and args.guesses:
+        spec = dict(speculative_method="ngram", num_speculative_tokens=args.guesses)
+    # with --guesses, room for a verify step's rows in the largest graph, at both stages
+    rows = max(args.batch, 1) * (args.guesses + 1)
+    llm = LLM(args.model, stage=stage, max_num_seqs=rows, max_model_len=4096, **spec)
     engine, runner = llm.engine, llm.engine.runner
-    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.steps + 64)
+    if spec:  # every step verifies K guesses: the lookup's, padded with the newest token
+        engine.scheduler.speculation.backoff.MAX_WAIT = 1
+        lookup = runner.proposer.lookup
+
+        def padded(token_ids, k, max_n, min_n):
+            found = lookup(token_ids, k, max_n, min_n)
+            return found + [token_ids[-1]] * (k - len(found))
+
+        runner.proposer.lookup = padded
+    params = SamplingParams(temperature=args.temperature, ignore_eos=True,
+                            max_tokens=(2 * args.steps + 10) * (args.guesses + 1) + 64)  # fmt: skip
     for i in range(args.batch):
-        engine.add_request([(i * 31 + j) % 10000 for j in range(args.context)], params)
+        engine.add_request(prompt(i, args), params)
     while engine.scheduler.waiting:
         engine.step()  # prefill everyone (the scheduler prefers prefills)
     for _ in range(5):
@@ -93,6 +143,13 @@ def profile(args, stage: int) -> dict:
         stamps.wrap(runner, "run", device_work=True)
     stamps.wrap(engine.scheduler, "land")  # the tokens appended, requests finished
     stamps.wrap(engine.scheduler, "commit")
+    if hasattr(runner, "launch_verify"):
+        stamps.wrap(runner, "launch_verify")
+        stamps.wrap(overlap_runner, "verify")  # the rejection rule (a module function)
+    for owner, name in PHASES:
+        if hasattr(getattr(runner, owner, None), name):
+            stamps.wrap(getattr(runner, owner), name)
+    verified = engine.speculation.num_verify_steps if engine.speculation else 0
     starts = []
     for _ in range(args.steps):
         starts.append(stamps.now())
@@ -110,6 +167,8 @@ def profile(args, stage: int) -> dict:
         "step_starts_ms": starts,
         "phases": stamps.phases,
         "wall_ms": statistics.median(walls),
+        "verify_steps": (engine.speculation.num_verify_steps - verified) if spec else 0,
+        "runtime_calls_per_step": {},
     }
     if stamps.cuda:
         intervals = stamps.device_intervals()
@@ -117,8 +176,28 @@ def profile(args, stage: int) -> dict:
         result["device"] = intervals
         result["busy_ms"] = statistics.median(busy)
         result["exposed_host_ms"] = result["wall_ms"] - result["busy_ms"]
+    stamps.unwrap()
+    if args.kernels and stamps.cuda:
+        result["runtime_calls_per_step"] = runtime_calls(engine, args.steps)
     engine.shutdown()
     return result  # one stage per process on a GPU: each engine sizes its pool from what is free
+
+
+def runtime_calls(engine, steps: int) -> dict[str, float]:
+    """CUDA runtime calls per step (kernel launches, copies, graph launches) over `steps` more
+    steps, from torch.profiler's CPU-side records."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    counts: dict[str, float] = {}
+    for event in prof.key_averages():
+        if (event.key.startswith("cuda") and "Launch" in event.key) or "Memcpy" in event.key:
+            counts[event.key] = event.count / steps
+    return counts
 
 
 def main() -> None:
@@ -128,6 +207,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--guesses", type=int, default=0, help="stage 12: K guesses every step")
+    parser.add_argument("--kernels", action="store_true", help="CUDA runtime calls per step")
     parser.add_argument("--json", default=None, metavar="PATH", help="write every stamp here")
     args = parser.parse_args()
     results = [profile(args, stage) for stage in args.stage or [11]]
@@ -142,6 +224,13 @@ def main() -> None:
         by_phase: dict[str, list[float]] = {}
         for name, start, end in r["phases"]:
             by_phase.setdefault(name, []).append(end - start)
+        if r["verify_steps"]:
+            print(f"  verify steps: {r['verify_steps']} of {args.steps}")
+        if r["runtime_calls_per_step"]:
+            print(
+                "  CUDA runtime calls per step: "
+                + ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["runtime_calls_per_step"].items()))
+            )
         print(
             "  host phases (median ms): "
             + ", ".join(f"{name} {statistics.median(ms):.3f}" for name, ms in by_phase.items())

@@ -142,6 +142,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--num-kv-blocks", type=int, default=8192)
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--batches", default=None, help="ngram part: batch sizes, e.g. 1,4,16")
+    parser.add_argument("--ks", default=None, help="ngram part: guess counts, e.g. 2,4")
+    parser.add_argument("--temperatures", default="0,0.6", help="ngram part, e.g. 0")
     args = parser.parse_args()
     sweep = Sweep(args.model, args.num_kv_blocks, args.max_tokens, args.out)
     s11 = sweep.build(11)
@@ -159,11 +162,15 @@ def main() -> None:
     s12 = sweep.build(12, speculative_method="ngram", num_speculative_tokens=8)
     if args.part == "ngram":
         plan = [(0.0, (1, 2, 4, 8, 16, 32, 64)), (0.6, (1, 4, 16, 64))]
+        if args.batches:  # the same batches at every temperature asked for
+            batches = tuple(int(n) for n in args.batches.split(","))
+            plan = [(float(t), batches) for t in args.temperatures.split(",")]
         for temperature, batches in plan:
             for _ in range(args.rounds):
                 for n in batches:
                     sweep.run("s11", s11, n, temperature)
-                    for k in (2, 4, 8) if n <= 4 else (1, 2, 4):
+                    ks = (2, 4, 8) if n <= 4 else (1, 2, 4)
+                    for k in [int(k) for k in args.ks.split(",")] if args.ks else ks:
                         sweep.run(f"s12k{k}", s12, n, temperature, k)
         return
     for temperature, batches in [(0.0, (1, 2, 4, 8)), (0.6, (1, 4))]:

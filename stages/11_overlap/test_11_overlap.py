@@ -74,7 +74,7 @@ def test_task_1_a_released_row_goes_to_the_next_request_without_growing(impl):
     batch.release(seq_of(1))  # holds no row: nothing happens
     row_c = batch.row_of(c)
     assert row_c == row_a, f"c took row {row_c}; the only free row was {row_a}, a's"
-    assert batch.block_tables.shape[0] == 2, "the batch grew although a row was free"
+    assert batch.capacity == 2, "the batch grew although a row was free"
     assert batch.row_of(b) == row_b
     batch.release(c)
     for _ in range(5):  # a request that comes and goes, again and again: no row leaks
@@ -88,7 +88,7 @@ def test_task_1_more_requests_than_rows_grow_the_batch(impl):
     seqs = [seq_of(3) for _ in range(5)]
     rows = [batch.row_of(s) for s in seqs]
     assert len(set(rows)) == 5, f"five running requests got rows {rows}"
-    assert max(rows) < batch.block_tables.shape[0], "a row past the end of the tensors"
+    assert max(rows) < batch.capacity, "a row past the capacity (rows 0 to capacity - 1)"
 
 
 def test_task_1_a_new_row_holds_its_requests_sampling_parameters(impl):
@@ -368,10 +368,10 @@ def assert_all_released(llm: LLM, num_kv_blocks: int) -> None:
     engine_, state = llm.engine, llm.engine.runner.state
     assert not engine_.has_unfinished() and engine_.runner.in_flight is None
     assert engine_.manager.num_free_blocks == num_kv_blocks, "blocks held after every request"
-    capacity = state.block_tables.shape[0]
+    capacity = state.capacity
     with torch.inference_mode():  # the runner's tensors are inference tensors
         rows = {state.row_of(seq_of(2)) for _ in range(capacity)}
-    assert len(rows) == capacity and state.block_tables.shape[0] == capacity, (
+    assert len(rows) == capacity and state.capacity == capacity, (
         "a row is still held after every request ended: a finished or preempted request's row "
         "was never released"
     )

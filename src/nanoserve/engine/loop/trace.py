@@ -50,7 +50,10 @@ def slots_per_seq(record: StepRecord) -> list[list[int]]:
     rows = [1 + b for b in record.batch.guesses]  # stage 12: a decode row per token judged
     if md.num_seqs != len(record.batch.seqs) and sum(rows) == md.num_seqs:
         bounds = list(itertools.accumulate(rows, initial=0))
-    return [slots[bounds[i] : bounds[i + 1]] for i in range(len(bounds) - 1)]
+    spans = [slots[bounds[i] : bounds[i + 1]] for i in range(len(bounds) - 1)]
+    if rows:  # guessing ahead gives each sequence k + 1 rows: past 1 + its budget, padding
+        spans = [span[:n] for span, n in zip(spans, rows)]
+    return spans
 
 
 def short(values: list, limit: int = 12) -> str:

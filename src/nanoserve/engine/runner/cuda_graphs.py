@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -89,6 +90,7 @@ class DecodeGraphs:
         self.static = static_decode_inputs(self.buckets[-1], width, device)
         self.outputs: dict[int, torch.Tensor] = {}  # bucket -> its hidden states (bucket, hidden)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool: Any = None  # their memory pool once captured (stage 11's step graphs share it)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -104,6 +106,7 @@ class DecodeGraphs:
                 self.outputs[bucket] = self._forward(inputs)
             pool = graph.pool()
             self.graphs[bucket] = graph
+        self.pool = pool
         torch.cuda.synchronize()
         logger.info(
             "captured %d decode graphs (buckets %s) in %.1f s, %.1f MiB",
@@ -114,6 +117,7 @@ class DecodeGraphs:
         )
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The model over decode inputs (the step each graph records)."""
         return self.model(inputs.input_ids, inputs.positions, self.attention, inputs.metadata)
 
     def can_replay(self, step: StepInputs) -> bool:

@@ -52,12 +52,13 @@ class DeviceBatch:
         return torch.zeros(n, dtype=dtype, device=self.device)
 
     def grow(self, capacity: int) -> None:
-        """Room for `capacity` rows; rows below the old capacity keep their values."""
+        """Room for `capacity` rows; rows below the old capacity keep their values. One row more
+        is kept past them, never handed out: `padding_row`."""
         old = self.capacity
 
         def grown(x: torch.Tensor, fill) -> torch.Tensor:
-            out = torch.full((capacity, *x.shape[1:]), fill, dtype=x.dtype, device=x.device)
-            out[:old] = x
+            out = torch.full((capacity + 1, *x.shape[1:]), fill, dtype=x.dtype, device=x.device)
+            out[:old] = x[:old]
             return out
 
         self.block_tables = grown(self.block_tables, -1)
@@ -66,6 +67,13 @@ class DeviceBatch:
         self.top_k, self.seeds = grown(self.top_k, 0), grown(self.seeds, 0)
         self.sampled += [False] * (capacity - old)
         self.capacity = capacity
+
+    @property
+    def padding_row(self) -> int:
+        """The row past the last one handed out: a captured step's padding rows read it (its
+        context length stays 0, its table -1) and write their draws there (stage 11's
+        `StepGraphs`)."""
+        return self.capacity
 
     def write_params(self, row: int, params: SamplingParams) -> None:
         """Row's sampling parameters; an unseeded request draws its seed here (its draws are
@@ -122,35 +130,6 @@ class DeviceBatch:
         ids = self.next_token_ids[rows]
         return self.fill_rows(rows, self.seq_lens[rows], ids, host, out)
 
-    def verify_inputs(
-        self,
-        seqs: Seq[Sequence],
-        rows: torch.Tensor,
-        owners: list[int],
-        where: torch.Tensor,
-        guesses: torch.Tensor,
-        most_lens: list[int],
-        out: StepInputs | None = None,
-    ) -> StepInputs:
-        """Stage 12, guessing ahead: a verify step's inputs computed on the device, one decode
-        row per token judged. Row i belongs to seqs[owners[i]] and sits j_i past its newest
-        token (where = [owners | j] on the device): j = 0 feeds the token its step before drew,
-        j > 0 its guess j - 1 (guesses (B, K); -1 where it has none: such a row feeds token 0 and
-        is never judged).
-
-        The host does not know how many tokens the step before gained, so most_lens[i] bounds
-        row i's context from above (the host lists' context_lens are those bounds).
-
-            seq_lens[row] 7, guesses [9, 4]: rows feed (next, 9, 4) at positions 6, 7, 8
-        """
-        owner, j = where.view(2, -1)
-        row_of = rows[owner]
-        guess = guesses[owner, (j - 1).clamp(min=0)].clamp(min=0)
-        ids = torch.where(j == 0, self.next_token_ids[row_of], guess)
-        tables = [seqs[o].block_table for o in owners]
-        host = HostMetadata(list(range(len(owners) + 1)), most_lens, tables)
-        return self.fill_rows(row_of, self.seq_lens[row_of] + j.to(torch.int32), ids, host, out)
-
     def fill_rows(
         self,
         rows: torch.Tensor,
@@ -162,21 +141,23 @@ class DeviceBatch:
         """Decode rows: row i feeds ids[i] at position ctx[i] - 1 of the sequence at device row
         rows[i], stores it in that position's slot and reads ctx[i] tokens. Written into out
         (the graphs' static buffers; rows past len(rows) become padding: slot -1, context 0),
-        or into fresh tensors as wide as the longest table."""
+        or into fresh tensors as wide as the longest table. A row of ctx 0 (`padding_row`, in
+        a captured step) is padding too: it stores nothing and reads nothing."""
         n = len(host.context_lens)
         if out is None:  # as wide as the longest table (the torch paths gather every column)
             width = max(map(len, host.block_tables), default=0)
             out = static_decode_inputs(n, width, self.device)
         bucket, width = out.metadata.block_tables.shape
         md = out.metadata
-        positions = ctx.long() - 1
+        positions = (ctx.long() - 1).clamp_(min=0)  # a padding row (ctx 0) feeds position 0
         out.input_ids[:n] = ids
         out.positions[:n] = positions
         md.context_lens[:n] = ctx
         md.cu_seqlens_k[1 : n + 1] = torch.cumsum(ctx, 0)
         torch.index_select(self.block_tables[:, :width], 0, rows, out=md.block_tables[:n])
         blocks = md.block_tables[:n].gather(1, (positions // self.block_size)[:, None])[:, 0]
-        md.slot_mapping[:n] = blocks.long() * self.block_size + positions % self.block_size
+        slots = blocks.long() * self.block_size + positions % self.block_size
+        md.slot_mapping[:n] = torch.where(ctx > 0, slots, -1)
         if bucket > n:  # padding rows: feed token 0 at position 0, write nothing, read nothing
             md.slot_mapping[n:] = -1
             md.context_lens[n:] = 0

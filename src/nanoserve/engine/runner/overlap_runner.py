@@ -27,6 +27,11 @@ plans guesses once the step in flight has landed, and `verify` returns its verdi
                     forward (a graph replay for decode), sample on the device (device_sampler)
                     record tokens in the rows; copy them to the host without waiting
                     (with their logprobs, computed on the device, if a row asks)
+
+On one GPU a decode step from its inputs to its record is a single graph replay
+(engine/runner/step_graphs.py), and so is a verify step of guesses looked up ahead; a prefill,
+a batch wider than every graph and a step across GPUs launch their kernels one by one
+(`eager_step`, `verify_ahead`).
 """
 
 from __future__ import annotations
@@ -50,11 +55,19 @@ from nanoserve.engine.runner.launched import (
 )
 from nanoserve.engine.runner.model_runner import ModelRunner, completes_prompt, forward_logits
 from nanoserve.engine.runner.persistent_batch import PersistentBatch
-from nanoserve.engine.runner.verify_step import Guesses, record_logprobs, resolve_ahead
+from nanoserve.engine.runner.step_graphs import StepGraphs
+from nanoserve.engine.runner.verify_step import (
+    AheadShape,
+    Guesses,
+    pack_ahead,
+    record_logprobs,
+    verify_ahead,
+)
 from nanoserve.logprobs import LogprobTensors, pending_logprobs
 from nanoserve.samplers.device_sampler import sample
 from nanoserve.samplers.speculative_sampler import RULE, Rule, verify
 from nanoserve.types import (
+    HostMetadata,
     ScheduledBatch,
     Sequence,
     StepInputs,
@@ -86,6 +99,10 @@ class OverlapRunner(ModelRunner):
         self.rule = rule
         # stage 12: verify steps launched while the step before is in flight (one GPU, n-gram)
         self.ahead = guesses_ahead(self.proposer) and self.workers is None
+        self.steps = None  # decode steps captured whole (one GPU with graphs)
+        if self.graphs is not None and self.workers is None:
+            self.steps = StepGraphs(self.model, self.graphs, self.state)
+            self.steps.capture()
 
     def execute(self, plan: ScheduledBatch) -> StepOutput:
         """Launch the plan's step, then wait for the step in flight before it: its tokens come
@@ -137,11 +154,34 @@ class OverlapRunner(ModelRunner):
         seqs = batch.seqs
         rows = self.state.send(seqs)
         host_rows = [self.state.row_of(seq) for seq in seqs]
+        sampled = [i for i, seq in enumerate(seqs) if completes_prompt(seq)]
+        filters = any(needs_filter(seqs[i]) for i in sampled)
+        if not batch.is_prefill:
+            self.state.prime(host_rows, seqs)
+        if not batch.is_prefill and self.steps is not None and self.steps.fits(len(seqs)):
+            # the whole step is one graph: inputs, forward, sampler and record
+            inputs, logits, tokens = self.steps.run(rows, filters, self.decode_host(seqs))
+        else:
+            inputs, logits, tokens = self.eager_step(batch, rows, sampled, filters)
+        for i in sampled:
+            self.state.sampled[host_rows[i]] = True
+        logprobs = pending_logprobs([seqs[i] for i in sampled], logits, tokens)  # None: no work
+        host, ready = to_host([tokens, *(logprobs.tensors if logprobs is not None else ())])
+        if logprobs is not None:
+            logprobs = logprobs._replace(tensors=LogprobTensors(*host[1:]))
+        return Launched(batch, inputs, sampled, host[0], ready, logprobs)
+
+    def eager_step(
+        self, batch: ScheduledBatch, rows: torch.Tensor, sampled: list[int], filters: bool
+    ) -> tuple[StepInputs, torch.Tensor, torch.Tensor]:
+        """A step not captured whole (a prefill, a batch wider than every graph, or across
+        GPUs): its inputs, forward (a graph replay for decode when a bucket fits), sampler and
+        record launched one by one. Returns (inputs, logits of the sampled rows, tokens)."""
+        seqs = batch.seqs
         replay = False
         if batch.is_prefill:
             inputs = self.packer.prepare(batch)
         else:
-            self.state.prime(host_rows, seqs)
             inputs, replay = self.decode_inputs(seqs, rows)
         with self.fan_out(batch):
             if self.workers is not None and not batch.is_prefill:
@@ -151,7 +191,6 @@ class OverlapRunner(ModelRunner):
             else:
                 logits = self.forward(inputs, self.attention, len(seqs))
         assert logits is not None, "rank 0 gathers the logits"
-        sampled = [i for i, seq in enumerate(seqs) if completes_prompt(seq)]
         if batch.is_prefill:  # positions of the sampled tokens: each prompt's length
             lens = to_device_ints([len(seqs[i]) for i in sampled], self.device)
             if len(sampled) < len(seqs):
@@ -160,25 +199,29 @@ class OverlapRunner(ModelRunner):
             positions = lens
         else:  # decode: the token sampled sits right after the context
             positions = inputs.metadata.context_lens[: len(seqs)].long()
-        filters = any(needs_filter(seqs[i]) for i in sampled)
         tokens = sample(logits, self.state.sampling(rows, positions, filters))
         self.state.record(rows, tokens, positions + 1)
-        for i in sampled:
-            self.state.sampled[host_rows[i]] = True
-        logprobs = pending_logprobs([seqs[i] for i in sampled], logits, tokens)  # None: no work
-        host, ready = to_host([tokens, *(logprobs.tensors if logprobs is not None else ())])
-        if logprobs is not None:
-            logprobs = logprobs._replace(tensors=LogprobTensors(*host[1:]))
-        return Launched(batch, inputs, sampled, host[0], ready, logprobs)
+        return inputs, logits, tokens
+
+    def decode_lens(self, seqs: list[Sequence]) -> list[int] | None:
+        """The host's lengths of a decode step's sequences when they are only bounds (a verify
+        step in flight: `most_lens`); None when len(seq) is right."""
+        flight = self.in_flight
+        if not (self.ahead and flight is not None and any(flight.batch.guesses)):
+            return None
+        return self.most_lens(seqs, self.gains_in_flight(seqs))
+
+    def decode_host(self, seqs: list[Sequence]) -> HostMetadata:
+        """A captured decode step's host lists (for --trace): lengths (`decode_lens`), tables."""
+        lens = self.decode_lens(seqs) or [len(seq) for seq in seqs]
+        return HostMetadata(list(range(len(seqs) + 1)), lens, [s.block_table for s in seqs])
 
     def decode_inputs(self, seqs: list[Sequence], rows: torch.Tensor) -> tuple[StepInputs, bool]:
         """The decode step built on the device, and whether a graph replays it: then it is
         written straight into the graphs' static buffers (the bucket's rows, padding included).
         The host's lengths are bounds when a verify step is in flight (`most_lens`)."""
         bucket = None if self.graphs is None else bucket_for(len(seqs), self.graphs.buckets)
-        flight = self.in_flight  # lengths are bounds only after a verify step in flight
-        guessed = self.ahead and flight is not None and any(flight.batch.guesses)
-        lens = self.most_lens(seqs, self.gains_in_flight(seqs)) if guessed else None
+        lens = self.decode_lens(seqs)
         if bucket is None:
             return self.state.decode_inputs(seqs, rows, lens=lens), False
         static = view_rows(self.graphs.static, bucket)  # type: ignore[union-attr]
@@ -230,53 +273,60 @@ class OverlapRunner(ModelRunner):
         """Stage 12, guessing ahead: a verify step queued while the step before may still run.
 
         The host looks each sequence's guesses up from the tokens it knows, asking for as many
-        more as the step in flight may still gain (`gains_in_flight`); the device keeps those
-        that follow what that step did gain (`resolve_ahead`), builds one decode row per judged
-        token from its own lengths, runs the forward (a graph replay when a bucket fits) and
-        the verdict, and records each row's gain. Nothing waits: the verdict reaches the host
-        with the next step's, as [drawn | accepted | guesses]."""
+        more as the step in flight may still gain (`gains_in_flight`), and packs them in one
+        copy (`pack_ahead`); the device keeps those that follow what that step did gain, feeds
+        k + 1 decode rows per sequence, runs the forward and the verdict, and records each row's
+        gain (`verify_ahead`): one graph replay where a captured shape holds the step
+        (`StepGraphs.run_verify`), else launched op by op. Nothing waits: the verdict reaches
+        the host with the next step's, as [drawn | accepted | guesses]."""
         seqs, budgets = batch.seqs, batch.guesses
         rows = self.state.send(seqs)
         self.state.prime([self.state.row_of(seq) for seq in seqs], seqs)
-        k = max(budgets)
+        b, k = len(seqs), max(budgets)
         width = max(map(len, proposals), default=0) + 1
-        owners = [b for b, n in enumerate(budgets) for _ in range(n + 1)]
-        steps = [j for n in budgets for j in range(n + 1)]
-        flat = [x for p in proposals for x in p + [-1] * (width - len(p))]
-        known = [len(seq.token_ids) for seq in seqs]
-        packed = to_device_ints(owners + steps + flat + [len(p) for p in proposals] + known
-                                + list(budgets), self.device)  # fmt: skip
-        n, b = len(owners), len(seqs)
-        where, props, lens, known_t, allowed = packed.split([2 * n, b * width, b, b, b])
-        ctx = self.state.seq_lens[rows].long()  # each sequence's first guess sits at ctx
-        guesses, num_draft = resolve_ahead(props.view(b, width), lens, ctx - known_t, allowed, k)
-        most = self.most_lens(seqs, ahead)
-        most_lens = [most[o] + j for o, j in zip(owners, steps)]
-        graphs = self.graphs
-        bucket = None if graphs is None else bucket_for(n, graphs.buckets)
-        if bucket is not None:  # written straight into the graphs' static buffers
-            static = view_rows(graphs.static, bucket)  # type: ignore[union-attr]
-            inputs = self.state.verify_inputs(seqs, rows, owners, where, guesses, most_lens, static)
-            logits = self.model.compute_logits(graphs.replay_filled(n))  # type: ignore[union-attr]
+        sampling = (all(s.params.is_greedy for s in seqs), any(map(needs_filter, seqs)), self.rule)
+        shape = None if self.steps is None else self.steps.verify_shape(b, k, width)
+        if shape is not None:  # one replay
+            packed = to_device_ints(pack_ahead(seqs, proposals, budgets, shape), self.device)
+            verdict = self.steps.run_verify(rows, packed, shape, sampling)  # type: ignore[union-attr]
         else:
-            inputs = self.state.verify_inputs(seqs, rows, owners, where, guesses, most_lens)
-            logits = self.forward(inputs, self.attention, n)
-        assert logits is not None, "rank 0 gathers the logits"
-        cu = torch.cat([torch.zeros(1, dtype=torch.long, device=self.device),
-                        torch.cumsum(allowed + 1, 0)])  # fmt: skip
-        tensors = self.state.sampling(rows, ctx, any(map(needs_filter, seqs)))
-        greedy = all(seq.params.is_greedy for seq in seqs)
-        verdict = verify(logits, cu, guesses, num_draft, None, tensors, self.rule, greedy)
-        accepted, drawn = verdict.num_accepted, verdict.token_ids
-        self.state.record(rows, drawn, ctx + accepted + 1)
+            shape = AheadShape(b, k, width)
+            packed = to_device_ints(pack_ahead(seqs, proposals, budgets, shape), self.device)
+            verdict = verify_ahead(self.state, self.every_row_logits, rows, packed, shape,
+                                   sampling, self.verify_host(seqs, ahead, budgets, k))  # fmt: skip
         for seq in seqs:  # each row's next token and length are on the device now
             self.state.sampled[self.state.row_of(seq)] = True
-        logprobs = pending_logprobs(seqs, logits[cu[:-1]], drawn)  # who asks guesses nothing
-        verdict_ints = torch.cat([drawn, accepted, guesses.flatten()])
+        first_rows = verdict.logits[:: k + 1][:b]  # who asks logprobs guesses nothing
+        logprobs = pending_logprobs(seqs, first_rows, verdict.drawn[:b])
+        verdict_ints = torch.cat([verdict.drawn[:b], verdict.accepted[:b],
+                                  verdict.guesses[:b].flatten()])  # fmt: skip
         host, ready = to_host([verdict_ints, *(logprobs.tensors if logprobs is not None else ())])
         if logprobs is not None:
             logprobs = logprobs._replace(tensors=LogprobTensors(*host[1:]))
+        bounds = list(range(0, b * (k + 1) + 1, k + 1))  # each sequence's rows, for --trace
+        lens, tables = self.most_lens(seqs, ahead), [seq.block_table for seq in seqs]
+        metadata = verdict.inputs.metadata._replace(host=HostMetadata(bounds, lens, tables))
+        inputs = verdict.inputs._replace(metadata=metadata)
         return Launched(batch, inputs, list(range(b)), host[0], ready, logprobs, k)
+
+    def every_row_logits(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits at every decode row of a verify step, run eagerly."""
+        hidden = self.model(inputs.input_ids, inputs.positions, self.attention, inputs.metadata)
+        logits = self.model.compute_logits(hidden)
+        assert logits is not None, "one rank: the logits are here"
+        return logits
+
+    def verify_host(
+        self, seqs: list[Sequence], ahead: list[int], budgets: tuple[int, ...], k: int
+    ) -> HostMetadata:
+        """A verify step's host lists, k + 1 rows per sequence: each row's bound on its context
+        (`most_lens` + j), or 0 and no table for a row past the sequence's budget (padding)."""
+        lens: list[int] = []
+        tables: list[list[int]] = []
+        for seq, bound, budget in zip(seqs, self.most_lens(seqs, ahead), budgets):
+            lens += [bound + j if j <= budget else 0 for j in range(k + 1)]
+            tables += [seq.block_table if j <= budget else [] for j in range(k + 1)]
+        return HostMetadata(list(range(len(lens) + 1)), lens, tables)
 
     def gains_in_flight(self, seqs: list[Sequence]) -> list[int]:
         """Per sequence, the most tokens the step in flight may still gain it: 1 plus its guess
