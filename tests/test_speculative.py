@@ -334,3 +334,30 @@ def test_a_draft_model_of_another_vocabulary_is_refused_naming_it(tiny_checkpoin
         LLM(str(target), stage=12, speculative_model="tiny-llama", **SMALL)
     with pytest.raises(ValueError, match="speculative_model"):
         LLM(str(target), stage=12, speculative_model="tiny-llama", speculative_method="ngram")
+
+
+def test_the_reference_lookup_is_the_newest_occurrence_of_the_longest_suffix_that_recurs():
+    # the definition, by brute force: n from max_n down to min_n, the newest occurrence of the
+    # last n tokens that starts before they do, inside the newest LOOKUP_WINDOW tokens
+    from nanoserve.engine.speculation.ngram_proposer import LOOKUP_WINDOW, propose_ngram
+
+    def by_definition(token_ids, k, max_n, min_n):
+        ids = token_ids[-LOOKUP_WINDOW:]
+        for n in range(min(max_n, len(ids) - 1), max(min_n, 1) - 1, -1):
+            for start in range(len(ids) - n - 1, -1, -1):
+                if ids[start : start + n] == ids[-n:]:
+                    return ids[start + n : start + n + k]
+        return []
+
+    rng = random.Random(12)
+    for _ in range(1000):
+        vocab, length = rng.randrange(1, 7), rng.choice([rng.randrange(1, 40), 2050])
+        ids = [rng.randrange(vocab) for _ in range(length)]
+        k, max_n = rng.randrange(6), rng.randrange(1, 6)
+        min_n = rng.randrange(0, max_n + 1)
+        assert propose_ngram(ids, k, max_n, min_n) == by_definition(ids, k, max_n, min_n), (
+            ids[-12:],
+            k,
+            max_n,
+            min_n,
+        )

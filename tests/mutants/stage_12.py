@@ -32,44 +32,46 @@ MUTANTS = (
         "the search runs to the end of the sequence: the suffix finds itself, the newest match, "
         "with nothing after it, and nothing is ever proposed",
         "propose_ngram",
-        ("np.flatnonzero(ids[:-1] == ids[-1])", "np.flatnonzero(ids == ids[-1])"),
+        ("ids[last - 1 :: -1]", "ids[last::-1]"),
+        ("last - 1 - found", "last - found"),
     ),
     mutant(
         "ngram_oldest_occurrence",
-        "the first occurrence of the suffix wins instead of the newest",
+        "of the longest matches, the oldest wins instead of the newest",
         "propose_ngram",
-        ("int(ends[lengths == lengths.max()][-1])", "int(ends[lengths == lengths.max()][0])"),
+        ("n > best_n", "n >= best_n"),
+        ("best_n < max_n", "True"),
     ),
     mutant(
         "ngram_followers_one_early",
         "the proposal starts at the match's last token instead of the token after it",
         "propose_ngram",
-        ("ids[end + 1 : end + 1 + k]", "ids[end : end + k]"),
+        ("ids[best_end + 1 : best_end + 1 + k]", "ids[best_end : best_end + k]"),
     ),
     mutant(
         "ngram_shortest_first",
         "the newest match of any length wins: a one-token suffix beats a longer, likelier one",
         "propose_ngram",
-        ("int(ends[lengths == lengths.max()][-1])", "int(ends[lengths >= min_n][-1])"),
+        ("n > best_n", "best_n == 0"),
     ),
     mutant(
         "ngram_ignores_min_n",
         "n runs down to 1 whatever min_n says",
         "propose_ngram",
-        ("lengths.max() < min_n", "lengths.max() < 1"),
+        ("best_n < max(min_n, 1)", "best_n < 1"),
     ),
     mutant(
         "ngram_whole_history",
         "the whole sequence is searched, not the newest 2,048 tokens: a suffix seen only long ago "
         "proposes, and the host's work grows with the sequence",
         "propose_ngram",
-        ("np.asarray(token_ids[-LOOKUP_WINDOW:])", "np.asarray(token_ids)"),
+        ("token_ids[-LOOKUP_WINDOW:]", "token_ids"),
     ),
     mutant(
         "ngram_window_before_the_suffix",
         "the window is the 2,048 tokens before the newest one: it reaches one token too far back",
         "propose_ngram",
-        ("np.asarray(token_ids[-LOOKUP_WINDOW:])", "np.asarray(token_ids[-LOOKUP_WINDOW - 1 :])"),
+        ("token_ids[-LOOKUP_WINDOW:]", "token_ids[-LOOKUP_WINDOW - 1 :]"),
     ),
     # ---- the rule ----
     mutant(

@@ -14,7 +14,6 @@ suffixes before shorter ones; nothing found proposes nothing and the step decode
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from nanoserve.types import Sequence
@@ -23,21 +22,28 @@ LOOKUP_WINDOW = 2048  # only the newest tokens are searched: the host's cost sta
 
 
 def propose_ngram(token_ids: list[int], k: int, max_n: int, min_n: int) -> list[int]:
-    """Up to k tokens that followed the newest earlier occurrence of the sequence's last n
-    tokens (n from max_n down to min_n); [] when no suffix occurs earlier."""
-    ids = np.asarray(token_ids[-LOOKUP_WINDOW:])
+    """Up to k tokens that followed the newest earlier occurrence of the sequence's last n tokens
+    (n from max_n down to min_n); [] when no suffix occurs earlier."""
+    ids = token_ids[-LOOKUP_WINDOW:]
+    last = len(ids) - 1
     # every earlier place the newest token occurs ends a candidate match (never the suffix
-    # itself: the newest position is left out), and grows backwards while tokens agree
-    ends = np.flatnonzero(ids[:-1] == ids[-1])
-    lengths = np.ones(len(ends), dtype=np.int64)
-    for j in range(1, min(max_n, len(ids) - 1)):
-        before = ends - j
-        agree = (before >= 0) & (ids[np.maximum(before, 0)] == ids[-1 - j]) & (lengths == j)
-        lengths += agree
-    if not ends.size or lengths.max() < min_n:
+    # itself: the newest position is left out), found newest first by a C-speed list search
+    earlier = ids[last - 1 :: -1] if last > 0 else []  # ids[last - 1], ..., ids[0]
+    best_n, best_end, searched = 0, -1, 0
+    while best_n < max_n:  # a match of max_n tokens cannot be beaten by an older one
+        try:
+            found = earlier.index(ids[last], searched)
+        except ValueError:
+            break
+        end, searched = last - 1 - found, found + 1
+        n = 1  # the match grows backwards while tokens agree
+        while n < max_n and n <= end and ids[end - n] == ids[last - n]:
+            n += 1
+        if n > best_n:  # a longer match wins; of equal ones, the newest (found first)
+            best_n, best_end = n, end
+    if best_n < max(min_n, 1):
         return []
-    end = int(ends[lengths == lengths.max()][-1])  # the newest of the longest matches
-    return ids[end + 1 : end + 1 + k].tolist()
+    return ids[best_end + 1 : best_end + 1 + k]
 
 
 class NgramProposer:
