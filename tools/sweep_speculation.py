@@ -9,10 +9,12 @@ that all of them fit the card together, and kept; every round runs each engine o
 requests (`--workload repeat`'s), stage 11 first. A stage 12 run sets its guess count through
 the engine's policy (k at every batch size, no GUESSES_BY_BATCH). A run of batch size N is
 REPS[N] batches of N requests at once, one after the other, so that even one request alone runs
-long enough to time. Prints, and appends to --out, one JSON line per run: tokens, seconds,
-steps, and for stage 12 the verify steps, the share of guesses kept and the tokens gained per
-verified sequence-step. It asserts nothing: a measuring tool for docs/benchmarks.md ("Stage 12
-by batch size"), never a test.
+long enough to time; with --concurrent, the REPS[N] x N requests are queued at once and at most N
+run (the scheduler's max_num_seqs set to N for the run), so a request that finishes early is
+replaced at once instead of leaving its batch to wait for the slowest. Prints, and appends to
+--out, one JSON line per run: tokens, seconds, steps, and for stage 12 the verify steps, the
+share of guesses kept and the tokens gained per verified sequence-step. It asserts nothing:
+a measuring tool for docs/benchmarks.md ("Stage 12 by batch size"), never a test.
 
 Parts: `ngram` (batch sizes x guess counts, greedy and T 0.6); `backoff` (the back-off as it
 is, finding nothing counted as no miss, and none at all); `drafts` (the self-speculative draft
@@ -41,7 +43,9 @@ REPS = {1: 8, 2: 6, 4: 4, 8: 4, 16: 2, 32: 1, 64: 1}  # batches per run: 2,048+ 
 class Sweep:
     """The loaded model, the workload's prompts and the engines built on them."""
 
-    def __init__(self, model_path: str, num_kv_blocks: int, max_tokens: int, out: str):
+    def __init__(
+        self, model_path: str, num_kv_blocks: int, max_tokens: int, out: str, concurrent: bool
+    ):
         args = build_parser().parse_args(
             [
                 "bench",
@@ -60,7 +64,7 @@ class Sweep:
         workload = bench_workload(args, self.flags.model_config.vocab_size, self.flags.source)
         self.prompts = workload.prompt_token_ids
         self.config = dataclasses.replace(self.flags.config, num_kv_blocks=num_kv_blocks)
-        self.max_tokens, self.out = max_tokens, out
+        self.max_tokens, self.out, self.concurrent = max_tokens, out, concurrent
 
     def build(self, stage: int, **changes):
         config = dataclasses.replace(self.config, **changes)
@@ -80,8 +84,16 @@ class Sweep:
             temperature=temperature, ignore_eos=True, max_tokens=self.max_tokens
         )
         steps, before = engine.num_steps, engine.speculation
+        scheduler = engine.scheduler
         start, tokens = timer(self.spec.device), 0
-        for r in range(REPS[n]):
+        if self.concurrent:  # every request queued at once, n running: a place freed is taken
+            config = scheduler.config
+            scheduler.config = dataclasses.replace(config, max_num_seqs=n)
+            prompts = [self.prompts[i % len(self.prompts)] for i in range(REPS[n] * n)]
+            seqs = drive(engine, prompts, [params] * len(prompts))
+            tokens = sum(seq.num_completion_tokens for seq in seqs)
+            scheduler.config = config
+        for r in range(0 if self.concurrent else REPS[n]):
             first = (r * n) % (len(self.prompts) - n)
             seqs = drive(engine, self.prompts[first : first + n], [params] * n)
             tokens += sum(seq.num_completion_tokens for seq in seqs)
@@ -90,6 +102,7 @@ class Sweep:
         row = dict(
             engine=name,
             n=n,
+            concurrent=self.concurrent,
             temp=temperature,
             k=k,
             **extra,
@@ -145,8 +158,14 @@ def main() -> None:
     parser.add_argument("--batches", default=None, help="ngram part: batch sizes, e.g. 1,4,16")
     parser.add_argument("--ks", default=None, help="ngram part: guess counts, e.g. 2,4")
     parser.add_argument("--temperatures", default="0,0.6", help="ngram part, e.g. 0")
+    parser.add_argument(
+        "--concurrent",
+        action="store_true",
+        help="a run queues all its REPS[N] x N requests at once, at most N running (a finished "
+        "request's place is taken at once, as a server's is), not REPS[N] closed batches",
+    )
     args = parser.parse_args()
-    sweep = Sweep(args.model, args.num_kv_blocks, args.max_tokens, args.out)
+    sweep = Sweep(args.model, args.num_kv_blocks, args.max_tokens, args.out, args.concurrent)
     s11 = sweep.build(11)
     if args.part == "drafts":
         drafts = {
