@@ -77,3 +77,25 @@ def test_trace_marks_a_block_shared_by_two_sequences_with_its_holders(tiny_check
     b = [11, 12, 13, 14, 51, 52, 53, 54, 61, 62, 63, 64, 71]
     lines = traced(llm, [a, b], max_tokens=20)
     assert any("blocks [0(x2), 3, 4, 5]" in line for line in lines)
+
+
+def test_the_trace_of_stage_12_shows_every_verdict_even_one_landing_with_no_step(tiny_checkpoints):
+    # a verdict lands with the step after it, or with an empty plan that only lands the step
+    # in flight (the engine's flush at the end, or a plan that must wait): shown there too
+    import re
+
+    folder, _ = tiny_checkpoints["llama"]
+    options = dict(device="cpu", dtype="float64", block_size=4, num_kv_blocks=64)
+    llm = LLM(str(folder), stage=12, speculative_method="ngram", num_speculative_tokens=3,
+              max_model_len=128, **options)  # fmt: skip
+    llm.engine.scheduler.speculation.backoff.MAX_WAIT = 1  # guess whenever a lookup finds one
+    stretch = [3, 5, 7, 9, 11, 13]
+    before = llm.engine.speculation
+    blocks = traced(llm, [stretch * 4, stretch * 3], max_tokens=24)
+    stats = llm.engine.speculation
+    verdicts = [re.findall(r"verdict: seq \d+ guessed (\d+) kept (\d+)", b) for b in blocks]
+    kept = sum(int(k) for found in verdicts for _, k in found)
+    assert stats.num_accepted - before.num_accepted > 0, "the repeats keep some guesses"
+    assert kept == stats.num_accepted - before.num_accepted, "every kept guess is traced"
+    flushes = [b for b in blocks if b.startswith("after step")]
+    assert any("verdict:" in b for b in flushes), "a verdict that lands with no step launched"

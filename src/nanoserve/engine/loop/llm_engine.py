@@ -121,6 +121,8 @@ class LLMEngine:
                 self.speculation = self.speculation.counted(verdict.guesses, verdict.tokens)
         if plan.seqs:
             self.count_step(plan, out, num_preempted_before, verdicts)
+        elif verdicts and self.on_step is not None:  # the last verify step landed in a flush
+            self.on_step(StepRecord(self.num_steps, plan, None, 0, tuple(verdicts)))
         return self.scheduler.update(plan, out)
 
     def count_step(self, plan: ScheduledBatch, out: StepOutput, num_preempted_before: int,

@@ -74,7 +74,11 @@ def blocks_with_refs(block_ids: list[int], manager) -> str:
 
 
 def format_step(record: StepRecord, manager) -> str:
-    """A header line for the step, then one line per sequence in the batch."""
+    """A header line for the step, then one line per sequence in the batch; after the last
+    step, when it lands with nothing launched (stage 12), the verdicts it brought."""
+    if record.inputs is None:
+        lines = [f"after step {record.step}: the step in flight landed"]
+        return "\n".join(lines + verdict_lines(record))
     kind = "prefill" if record.batch.is_prefill else "decode"
     if any(record.batch.guesses):
         kind = "verify"
@@ -91,9 +95,16 @@ def format_step(record: StepRecord, manager) -> str:
     for i, budget in enumerate(record.batch.guesses, start=1):
         if budget:
             lines[i] = f"{lines[i]}  may guess {budget}"
-    for verdict in record.verdicts:  # printed before the rollback
+    return "\n".join(lines + verdict_lines(record))
+
+
+def verdict_lines(record: StepRecord) -> list[str]:
+    """Stage 12: a line per sequence that guessed in the verify steps whose verdicts arrived
+    with this step (printed before the rollback)."""
+    lines = []
+    for verdict in record.verdicts:
         for seq, guessed, gained in zip(verdict.plan.seqs, verdict.guesses or [], verdict.tokens):
             if guessed or len(gained) > 1:
                 lines.append(f"  verdict: seq {seq.seq_id} guessed {len(guessed)} "
                              f"kept {len(gained) - 1}")  # fmt: skip
-    return "\n".join(lines)
+    return lines
