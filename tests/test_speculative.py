@@ -277,9 +277,9 @@ def test_the_verify_step_as_decode_rows_gives_stage11s_tokens(
 ):
     # a draft's verify step (not ahead): on a GPU a graph replays it as decode rows, one per
     # token; here, forced (n-gram guessing ahead builds decode rows everywhere)
-    from nanoserve.engine.runner.overlap_runner import OverlapRunner
+    from nanoserve.engine.runner.verifier import Verifier
 
-    monkeypatch.setattr(OverlapRunner, "verify_as_decode", lambda self, num_rows: True)
+    monkeypatch.setattr(Verifier, "verify_as_decode", lambda self, num_rows: True)
     folder, _ = tiny_checkpoints[family]
     prompts = random_prompts(256)
     want = greedy_tokens(LLM(str(folder), stage=11, **SMALL), prompts, 20)

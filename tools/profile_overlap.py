@@ -33,7 +33,7 @@ import time
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.engine.runner import overlap_runner
+from nanoserve.engine.runner import verifier
 
 
 class Stamps:
@@ -92,7 +92,8 @@ PHASES = (  # (the runner's attribute, method): the parts of a step, stamped whe
     ("steps", "run"),  # stage 11: a decode step replayed whole
     ("proposer", "propose"),
     ("state", "send"),
-    ("steps", "run_verify"),  # stage 12: a verify step replayed whole
+    ("verifier", "launch_ahead"),  # stage 12: a verify step launched ahead
+    ("steps", "run_verify"),  # ... replayed whole
     ("state", "decode_inputs"),
     ("graphs", "replay_filled"),
     ("model", "compute_logits"),
@@ -143,9 +144,8 @@ def profile(args, stage: int) -> dict:
         stamps.wrap(runner, "run", device_work=True)
     stamps.wrap(engine.scheduler, "land")  # the tokens appended, requests finished
     stamps.wrap(engine.scheduler, "commit")
-    if hasattr(runner, "launch_verify"):
-        stamps.wrap(runner, "launch_verify")
-        stamps.wrap(overlap_runner, "verify")  # the rejection rule (a module function)
+    if getattr(runner, "verifier", None) is not None:  # a verify step run op by op
+        stamps.wrap(verifier, "verify_ahead")  # the module function the verifier calls
     for owner, name in PHASES:
         if hasattr(getattr(runner, owner, None), name):
             stamps.wrap(getattr(runner, owner), name)

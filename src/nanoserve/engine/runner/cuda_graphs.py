@@ -99,11 +99,11 @@ class DecodeGraphs:
         pool = None
         for bucket in reversed(self.buckets):
             inputs = view_rows(self.static, bucket)
-            self._forward(inputs)  # eager once: Triton compiles, torch picks its kernels
+            self.forward(inputs)  # eager once: Triton compiles, torch picks its kernels
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with undisturbed_capture(graph, pool):
-                self.outputs[bucket] = self._forward(inputs)
+                self.outputs[bucket] = self.forward(inputs)
             pool = graph.pool()
             self.graphs[bucket] = graph
         self.pool = pool
@@ -116,8 +116,9 @@ class DecodeGraphs:
             (torch.cuda.memory_allocated() - before) / 2**20,
         )
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        """The model over decode inputs (the step each graph records)."""
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The model over decode inputs, eagerly (what each graph records; stage 11's whole-step
+        graphs record it inside theirs)."""
         return self.model(inputs.input_ids, inputs.positions, self.attention, inputs.metadata)
 
     def can_replay(self, step: StepInputs) -> bool:

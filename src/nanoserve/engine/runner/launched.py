@@ -16,7 +16,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from nanoserve.engine.runner.verify_step import verdict_of
-from nanoserve.logprobs import PendingLogprobs
+from nanoserve.logprobs import LogprobTensors, PendingLogprobs
 from nanoserve.types import Landed, ScheduledBatch, Sequence, StepInputs
 
 
@@ -80,3 +80,14 @@ def to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda
     ready = torch.cuda.Event()
     ready.record()
     return host, ready
+
+
+def send_up(
+    values: torch.Tensor, logprobs: PendingLogprobs | None
+) -> tuple[torch.Tensor, torch.cuda.Event | None, PendingLogprobs | None]:
+    """Start copying a launched step's values (and the logprobs asked for) to the host: (the
+    host values, the event `landed()` waits for, the logprobs now pointing at host copies)."""
+    host, ready = to_host([values, *(logprobs.tensors if logprobs is not None else ())])
+    if logprobs is not None:
+        logprobs = logprobs._replace(tensors=LogprobTensors(*host[1:]))
+    return host[0], ready, logprobs

@@ -10,16 +10,17 @@ device, so the host's work for the next step runs while this one computes:
     host:    schedule N+1 | launch N+1 | wait N -> update (N lands, N+1 commits) | schedule N+2
     device:  ...  step N  ...........  | step N+1 ...................................... |
 
-Stage 12 adds a proposer and a verify step. With the n-gram proposer on one device a verify
-step is launched like any other (`launch_verify`): the host looks its guesses up past the tokens
-still in flight, the device picks them, judges them and records the gain, and the verdict lands
-with the next step, so guessing steps overlap too:
+Stage 12 adds a proposer and a verify step (engine/runner/verifier.py). With the n-gram
+proposer on one device a verify step is launched like any other (`Verifier.launch_ahead`): the
+host looks its guesses up past the tokens still in flight, the device picks them, judges them
+and records the gain, and the verdict lands with the next step, so guessing steps overlap too:
 
     host:    schedule V+1 | look up, launch V+1 | wait V -> update (V's verdict lands, V+1 commits)
     device:  ... verify V (guesses, verdict) ... | verify V+1 ...........................
 
 A draft model needs every token before its guesses, so with one (or across ranks) the scheduler
-plans guesses once the step in flight has landed, and `verify` returns its verdict at once.
+plans guesses once the step in flight has landed, and `Verifier.verify_now` returns its verdict
+at once.
 
     launch(batch):  rows = send(seqs)            one small copy: rows + new table entries
                     inputs: prefill from host lists (the prompt is on the host)
@@ -31,13 +32,12 @@ plans guesses once the step in flight has landed, and `verify` returns its verdi
 On one GPU a decode step from its inputs to its record is a single graph replay
 (engine/runner/step_graphs.py), and so is a verify step of guesses looked up ahead; a prefill,
 a batch wider than every graph and a step across GPUs launch their kernels one by one
-(`eager_step`, `verify_ahead`).
+(`eager_step`; a verify step's `verify_ahead`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -45,27 +45,21 @@ import torch.distributed as dist
 from nanoserve.engine.runner.cuda_graphs import bucket_for
 from nanoserve.engine.runner.device_batch import to_device_ints
 from nanoserve.engine.runner.graph_buffers import view_rows
-from nanoserve.engine.runner.input_packer import verify_rows
 from nanoserve.engine.runner.launched import (
     Launched,
     Proposer,
     guesses_ahead,
     needs_filter,
-    to_host,
+    send_up,
 )
-from nanoserve.engine.runner.model_runner import ModelRunner, completes_prompt, forward_logits
+from nanoserve.engine.runner.model_runner import ModelRunner, completes_prompt
 from nanoserve.engine.runner.persistent_batch import PersistentBatch
 from nanoserve.engine.runner.step_graphs import StepGraphs
-from nanoserve.engine.runner.verify_step import (
-    AheadShape,
-    Guesses,
-    pack_ahead,
-    record_logprobs,
-    verify_ahead,
-)
-from nanoserve.logprobs import LogprobTensors, pending_logprobs
+from nanoserve.engine.runner.verifier import Verifier
+from nanoserve.engine.runner.verify_step import most_lens
+from nanoserve.logprobs import pending_logprobs
 from nanoserve.samplers.device_sampler import sample
-from nanoserve.samplers.speculative_sampler import RULE, Rule, verify
+from nanoserve.samplers.speculative_sampler import RULE, Rule
 from nanoserve.types import (
     HostMetadata,
     ScheduledBatch,
@@ -96,13 +90,14 @@ class OverlapRunner(ModelRunner):
         self.state = state
         self.in_flight: Launched | None = None  # the step launched last, not yet landed
         self.proposer = None if proposer is None else proposer(self)
-        self.rule = rule
         # stage 12: verify steps launched while the step before is in flight (one GPU, n-gram)
         self.ahead = guesses_ahead(self.proposer) and self.workers is None
         self.steps = None  # decode steps captured whole (one GPU with graphs)
         if self.graphs is not None and self.workers is None:
             self.steps = StepGraphs(self.model, self.graphs, self.state)
             self.steps.capture()
+        self.verifier = Verifier(self.model, self.attention, self.packer, self.state, rule,
+                                 self.graphs, self.steps, self.workers)  # fmt: skip
 
     def execute(self, plan: ScheduledBatch) -> StepOutput:
         """Launch the plan's step, then wait for the step in flight before it: its tokens come
@@ -116,7 +111,7 @@ class OverlapRunner(ModelRunner):
             assert self.proposer is not None, "a plan with guesses needs a proposer"
             guesses, draft_probs = self.proposer.propose(plan.seqs, plan.guesses)
             if any(guesses):
-                return self.verify(plan, guesses, draft_probs)
+                return self.verifier.verify_now(plan, guesses, draft_probs)
             plan = plan._replace(guesses=())  # nobody guessed: a stage 11 step
         launched = self.launch(plan) if plan.seqs else None
         earlier, self.in_flight = self.in_flight, launched
@@ -150,7 +145,7 @@ class OverlapRunner(ModelRunner):
             asks = tuple(a + b if b else 0 for a, b in zip(ahead, batch.guesses))
             proposals, _ = self.proposer.propose(batch.seqs, asks)  # type: ignore[union-attr]
             if any(len(p) > a for p, a in zip(proposals, ahead)):
-                return self.launch_verify(batch, proposals, ahead)
+                return self.verifier.launch_ahead(batch, proposals, ahead)
         seqs = batch.seqs
         rows = self.state.send(seqs)
         host_rows = [self.state.row_of(seq) for seq in seqs]
@@ -166,10 +161,8 @@ class OverlapRunner(ModelRunner):
         for i in sampled:
             self.state.sampled[host_rows[i]] = True
         logprobs = pending_logprobs([seqs[i] for i in sampled], logits, tokens)  # None: no work
-        host, ready = to_host([tokens, *(logprobs.tensors if logprobs is not None else ())])
-        if logprobs is not None:
-            logprobs = logprobs._replace(tensors=LogprobTensors(*host[1:]))
-        return Launched(batch, inputs, sampled, host[0], ready, logprobs)
+        values, ready, logprobs = send_up(tokens, logprobs)
+        return Launched(batch, inputs, sampled, values, ready, logprobs)
 
     def eager_step(
         self, batch: ScheduledBatch, rows: torch.Tensor, sampled: list[int], filters: bool
@@ -209,7 +202,7 @@ class OverlapRunner(ModelRunner):
         flight = self.in_flight
         if not (self.ahead and flight is not None and any(flight.batch.guesses)):
             return None
-        return self.most_lens(seqs, self.gains_in_flight(seqs))
+        return most_lens(seqs, self.gains_in_flight(seqs))
 
     def decode_host(self, seqs: list[Sequence]) -> HostMetadata:
         """A captured decode step's host lists (for --trace): lengths (`decode_lens`), tables."""
@@ -226,107 +219,6 @@ class OverlapRunner(ModelRunner):
             return self.state.decode_inputs(seqs, rows, lens=lens), False
         static = view_rows(self.graphs.static, bucket)  # type: ignore[union-attr]
         return self.state.decode_inputs(seqs, rows, static, lens), True
-
-    @staticmethod
-    def most_lens(seqs: list[Sequence], ahead: list[int]) -> list[int]:
-        """The most tokens each sequence may hold once the step in flight lands: its length,
-        plus the guesses that step may keep (ahead - 1 of the tokens it may gain)."""
-        return [len(seq) + max(a - 1, 0) for seq, a in zip(seqs, ahead)]
-
-    @torch.inference_mode()
-    def verify(
-        self, plan: ScheduledBatch, guesses: list[list[int]], draft_probs: torch.Tensor | None
-    ) -> StepOutput:
-        """Stage 12's verify step: the target over each sequence's newest token and guesses,
-        in one forward; the verdict (kept guesses, then a drawn token) comes back at once."""
-        seqs = plan.seqs
-        rows = self.state.send(seqs)  # the table entries grown for the guesses included
-        as_decode = self.verify_as_decode(sum(1 + len(g) for g in guesses))
-        message = verify_rows(seqs, guesses, as_decode)
-        inputs = self.packer.prepare_rows(message)
-        with self.workers.step(message) if self.workers is not None else nullcontext():
-            logits = forward_logits(self.model, inputs, self.attention, message.num_seqs,
-                                    self.graphs, every_row=message.every_row)  # fmt: skip
-        assert logits is not None, "rank 0 gathers the logits"
-        packed = Guesses.of(seqs, guesses, self.device)
-        tensors = self.state.sampling(rows, packed.positions, any(map(needs_filter, seqs)))
-        verdict = verify(logits, packed.cu_seqlens_q, packed.draft_ids, packed.num_draft,
-                         draft_probs, tensors, self.rule)  # fmt: skip
-        self.state.record(rows, verdict.token_ids, packed.positions + verdict.num_accepted + 1)
-        accepted, drawn = verdict.num_accepted.tolist(), verdict.token_ids.tolist()
-        gained = [[*g[:a], t] for g, a, t in zip(guesses, accepted, drawn)]
-        for seq in seqs:  # each row's next token and length are on the device now
-            self.state.sampled[self.state.row_of(seq)] = True
-        record_logprobs(seqs, logits, packed.cu_rows, gained)
-        return StepOutput(inputs, tuple(range(len(seqs))), gained, None, guesses)
-
-    def verify_as_decode(self, num_rows: int) -> bool:
-        """Decode rows when a captured graph can replay that many (no eager launches: what a
-        small model's step is made of); else a chunk per sequence, which reads each context
-        once, not once per row (an eager step, and the CPU's)."""
-        return self.graphs is not None and bucket_for(num_rows, self.graphs.buckets) is not None
-
-    @torch.inference_mode()
-    def launch_verify(
-        self, batch: ScheduledBatch, proposals: list[list[int]], ahead: list[int]
-    ) -> Launched:
-        """Stage 12, guessing ahead: a verify step queued while the step before may still run.
-
-        The host looks each sequence's guesses up from the tokens it knows, asking for as many
-        more as the step in flight may still gain (`gains_in_flight`), and packs them in one
-        copy (`pack_ahead`); the device keeps those that follow what that step did gain, feeds
-        k + 1 decode rows per sequence, runs the forward and the verdict, and records each row's
-        gain (`verify_ahead`): one graph replay where a captured shape holds the step
-        (`StepGraphs.run_verify`), else launched op by op. Nothing waits: the verdict reaches
-        the host with the next step's, as [drawn | accepted | guesses]."""
-        seqs, budgets = batch.seqs, batch.guesses
-        rows = self.state.send(seqs)
-        self.state.prime([self.state.row_of(seq) for seq in seqs], seqs)
-        b, k = len(seqs), max(budgets)
-        width = max(map(len, proposals), default=0) + 1
-        sampling = (all(s.params.is_greedy for s in seqs), any(map(needs_filter, seqs)), self.rule)
-        shape = None if self.steps is None else self.steps.verify_shape(b, k, width)
-        if shape is not None:  # one replay
-            packed = to_device_ints(pack_ahead(seqs, proposals, budgets, shape), self.device)
-            verdict = self.steps.run_verify(rows, packed, shape, sampling)  # type: ignore[union-attr]
-        else:
-            shape = AheadShape(b, k, width)
-            packed = to_device_ints(pack_ahead(seqs, proposals, budgets, shape), self.device)
-            verdict = verify_ahead(self.state, self.every_row_logits, rows, packed, shape,
-                                   sampling, self.verify_host(seqs, ahead, budgets, k))  # fmt: skip
-        for seq in seqs:  # each row's next token and length are on the device now
-            self.state.sampled[self.state.row_of(seq)] = True
-        first_rows = verdict.logits[:: k + 1][:b]  # who asks logprobs guesses nothing
-        logprobs = pending_logprobs(seqs, first_rows, verdict.drawn[:b])
-        verdict_ints = torch.cat([verdict.drawn[:b], verdict.accepted[:b],
-                                  verdict.guesses[:b].flatten()])  # fmt: skip
-        host, ready = to_host([verdict_ints, *(logprobs.tensors if logprobs is not None else ())])
-        if logprobs is not None:
-            logprobs = logprobs._replace(tensors=LogprobTensors(*host[1:]))
-        bounds = list(range(0, b * (k + 1) + 1, k + 1))  # each sequence's rows, for --trace
-        lens, tables = self.most_lens(seqs, ahead), [seq.block_table for seq in seqs]
-        metadata = verdict.inputs.metadata._replace(host=HostMetadata(bounds, lens, tables))
-        inputs = verdict.inputs._replace(metadata=metadata)
-        return Launched(batch, inputs, list(range(b)), host[0], ready, logprobs, k)
-
-    def every_row_logits(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits at every decode row of a verify step, run eagerly."""
-        hidden = self.model(inputs.input_ids, inputs.positions, self.attention, inputs.metadata)
-        logits = self.model.compute_logits(hidden)
-        assert logits is not None, "one rank: the logits are here"
-        return logits
-
-    def verify_host(
-        self, seqs: list[Sequence], ahead: list[int], budgets: tuple[int, ...], k: int
-    ) -> HostMetadata:
-        """A verify step's host lists, k + 1 rows per sequence: each row's bound on its context
-        (`most_lens` + j), or 0 and no table for a row past the sequence's budget (padding)."""
-        lens: list[int] = []
-        tables: list[list[int]] = []
-        for seq, bound, budget in zip(seqs, self.most_lens(seqs, ahead), budgets):
-            lens += [bound + j if j <= budget else 0 for j in range(k + 1)]
-            tables += [seq.block_table if j <= budget else [] for j in range(k + 1)]
-        return HostMetadata(list(range(len(lens) + 1)), lens, tables)
 
     def gains_in_flight(self, seqs: list[Sequence]) -> list[int]:
         """Per sequence, the most tokens the step in flight may still gain it: 1 plus its guess

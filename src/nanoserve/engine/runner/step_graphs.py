@@ -114,7 +114,7 @@ class StepGraphs:
 
     def _logits(self, inputs: StepInputs) -> torch.Tensor:
         """Logits at every row of decode inputs."""
-        return self.model.compute_logits(self.decode._forward(inputs))
+        return self.model.compute_logits(self.decode.forward(inputs))
 
     # ---- stage 12: the verify step of guesses looked up ahead ----
 

@@ -49,6 +49,12 @@ def resolve_ahead(
     return torch.where(steps < num[:, None], picked, -1), num
 
 
+def most_lens(seqs: list[Sequence], ahead: list[int]) -> list[int]:
+    """The most tokens each sequence may hold once the step in flight lands: its length, plus
+    the guesses that step may keep (ahead - 1 of the tokens it may gain)."""
+    return [len(seq) + max(a - 1, 0) for seq, a in zip(seqs, ahead)]
+
+
 class AheadShape(NamedTuple):
     """The shape of a verify step judging guesses looked up ahead: num_seqs sequences (padding
     ones included), k guesses each at most (k + 1 decode rows per sequence: row j feeds the token
