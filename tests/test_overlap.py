@@ -198,8 +198,9 @@ def test_verify_steps_captured_whole_give_the_tokens_of_verify_steps_launched_on
     assert 3 in {n for n, _ in shapes}, "three sequences verified at once"
 
 
-def test_a_verify_step_takes_the_captured_shape_of_its_bucket_and_a_power_of_two_width():
-    # the host half of StepGraphs.run_verify: which graph a verify step replays (none: op by op)
+def test_a_verify_step_replays_its_buckets_shape_fixed_from_the_policy():
+    # the host half of StepGraphs.run_verify: one shape per bucket, planned from the policy's
+    # guesses by batch size (capture stubbed: no GPU); which graph a step replays (none: op by op)
     from types import SimpleNamespace
 
     import torch
@@ -211,10 +212,25 @@ def test_a_verify_step_takes_the_captured_shape_of_its_bucket_and_a_power_of_two
 
     state = DeviceBatch(capacity=16, table_width=4, block_size=4, device="cpu")
     decode = SimpleNamespace(buckets=graph_buckets(16), pool=None, static=None)
+    assert decode.buckets == [1, 2, 4, 8, 16]
     steps = StepGraphs(torch.nn.Identity(), decode, state)
-    assert steps.verify_shape(3, 3, 8) == AheadShape(4, 3, 8)  # 4 x 4 rows: the widest bucket
-    # budgets cut to 1 near max_tokens while the lookup asks past a step in flight of 3 guesses
-    assert steps.verify_shape(3, 1, 6) == AheadShape(4, 1, 8)
-    assert steps.verify_shape(1, 3, 1) == AheadShape(1, 3, 1)
-    assert steps.verify_shape(5, 3, 8) is None, "8 sequences x 4 rows: past the 16 rows captured"
-    assert steps.verify_shape(17, 0, 2) is None, "wider than every bucket"
+    captured: list = []
+    steps._capture_verify = lambda key, rule: captured.append(key)
+    policy = {1: 4, 2: 3, 3: 2}  # guesses per sequence by batch size; none past 3
+    steps.plan_verify(lambda n: policy.get(n, 0), rule=None)
+    assert steps.verify_ks == {1: 4, 2: 3, 4: 2}, "a bucket holds the most its batches take"
+    assert steps.verify_width == 10  # a budget of 4 plus a step in flight's 5, plus one
+    assert {(shape, greedy) for shape, greedy, _ in captured} == {
+        (AheadShape(b, k, 10), g) for b, k in [(1, 4), (2, 3), (4, 2)] for g in (True, False)
+    }, "every planned shape captured at start-up, greedy and sampled"
+    assert captured[0][0].num_seqs == 4, "the largest first (the memory pool grows once)"
+    assert steps.verify_shape(3, 2, 7) == AheadShape(4, 2, 10)
+    # a budget cut to 1 near max_tokens, looking up past a step in flight of 2 guesses
+    assert steps.verify_shape(3, 1, 5) == AheadShape(4, 2, 10), "rows past a budget: padding"
+    assert steps.verify_shape(1, 4, 10) == AheadShape(1, 4, 10)
+    assert steps.verify_shape(3, 3, 8) is None, "more guesses than its bucket's shape holds"
+    assert steps.verify_shape(1, 1, 11) is None, "a lookup wider than planned"
+    assert steps.verify_shape(5, 1, 4) is None, "a bucket that does not guess"
+    assert steps.verify_shape(17, 1, 2) is None, "wider than every bucket"
+    steps.plan_verify(lambda n: 7, rule=None)  # more than the rows hold: (16 // bucket) - 1
+    assert steps.verify_ks == {1: 7, 2: 7, 4: 3, 8: 1}

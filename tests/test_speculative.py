@@ -288,6 +288,35 @@ def test_the_verify_step_as_decode_rows_gives_stage11s_tokens(
     assert llm.engine.speculation.num_proposed > 0
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_verify_step_in_a_shape_wider_than_its_guesses_gives_stage11s_tokens(
+    tiny_checkpoints, monkeypatch, temperature
+):
+    # on a GPU a verify step replays its bucket's captured shape (StepGraphs.plan_verify): more
+    # sequences (padding ones) and more rows per sequence than its guesses need; here the op by
+    # op step is given such a shape, and the host must read the verdict in the shape's layout
+    from nanoserve.engine.runner.verifier import Verifier
+    from nanoserve.engine.runner.verify_step import AheadShape
+
+    wider = lambda self, num_seqs, k, width: AheadShape(num_seqs + 1, k + 2, width + 3)  # noqa: E731
+    monkeypatch.setattr(Verifier, "eager_shape", wider)
+    folder, _ = tiny_checkpoints["qwen3"]
+    prompts = random_prompts(256)[:5]
+    params = [
+        SamplingParams(temperature=temperature, seed=i, max_tokens=24, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    want = [o.token_ids for o in LLM(str(folder), stage=11, **SMALL).generate(prompts, params)]
+    lookup = Scripted(prompts, want, 256)
+    llm = LLM(str(folder), stage=12, components={"propose_ngram": lookup}, **SMALL)
+    got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    stats = llm.engine.speculation
+    assert 0 < stats.num_accepted < stats.num_proposed
+    state = llm.engine.runner.state
+    assert state.seq_lens[state.padding_row].item() == 0, "padding sequences write nothing"
+
+
 def test_seeded_sampling_with_ngram_guesses_gives_stage11s_tokens(tiny_checkpoints):
     # a sure guess is kept exactly when it equals the token stage 11 draws at its position
     folder, _ = tiny_checkpoints["qwen3"]

@@ -77,9 +77,10 @@ class Sweep:
 
     def run(self, name: str, engine, n: int, temperature: float, k: int | None = None, **extra):
         """REPS[n] batches of n requests on engine; one JSON line."""
-        if k is not None:  # stage 12: k guesses at every batch size
-            engine.scheduler.speculation.k = k
-            engine.scheduler.speculation.by_batch = ()
+        policy = engine.scheduler.speculation
+        if k is not None and (policy.k, policy.by_batch) != (k, ()):  # k at every batch size
+            policy.k, policy.by_batch = k, ()
+            engine.runner.plan_guesses(policy.guesses_per_sequence)  # its verify shapes, now
         params = SamplingParams(
             temperature=temperature, ignore_eos=True, max_tokens=self.max_tokens
         )

@@ -52,6 +52,7 @@ class LLMEngine:
         if getattr(runner, "proposer", None) is not None:
             rows = None if runner.graphs is None else runner.graphs.buckets[-1]
             policy = Speculation.of(config, rows, ahead=getattr(runner, "ahead", False))
+            runner.plan_guesses(policy.guesses_per_sequence)  # type: ignore[attr-defined]
         self.scheduler = scheduler(config, manager, eos_ids, policy)
         # stage 12: proposals made and kept (None: the engine does not guess)
         self.speculation = None if policy is None else SpeculationStats()

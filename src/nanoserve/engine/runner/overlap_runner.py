@@ -120,6 +120,12 @@ class OverlapRunner(ModelRunner):
             return StepOutput(None, (), [], landed)
         return StepOutput(launched.inputs, tuple(launched.sampled), None, landed)
 
+    def plan_guesses(self, guesses_for: Callable[[int], int]) -> None:
+        """Stage 12: the speculation policy's guesses per sequence by batch size; where verify
+        steps guessed ahead are captured whole, their shapes are fixed and captured now."""
+        if self.steps is not None and self.ahead:
+            self.steps.plan_verify(guesses_for, self.verifier.rule)
+
     def forget(self, seqs) -> None:
         """Let go of the rows of sequences that left the running set (a plan's `freed`); a
         sequence holding no row is skipped, so a plan may be applied twice."""

@@ -16,13 +16,18 @@ A padding row reads the device batch's `padding_row`, whose context length stays
 nothing, reads nothing and writes its draw into that row only. The graph reads the device
 batch's tensors by address, so when the batch grows (new tensors) every graph is captured again.
 
-Stage 12's verify step of guesses looked up ahead is captured the same way (`run_verify`), per
-shape (`AheadShape`: sequences, guesses, proposal width) and per (greedy, filters), the first
-time a step of that shape runs: the host copies its packed ints up and replays; the lookup's
-picking, the rows, the forward, the verdict and the record are all inside the graph.
+Stage 12's verify step of guesses looked up ahead is captured the same way (`run_verify`): one
+shape per bucket (`AheadShape`: sequences, guesses, proposal width), fixed from the speculation
+policy and captured at start-up (`plan_verify`), per (greedy, filters); the host copies its packed
+ints up and replays; the lookup's picking, the rows, the forward, the verdict and the record are
+all inside the graph. One shape per bucket, not one per (guesses, width) a step happens to have:
+each new shape captured inside a run cost a capture (tens of ms) there, and on the H200 those
+captures outweighed what guessing gained (docs/benchmarks.md, "Verify shapes fixed at start-up").
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -51,6 +56,8 @@ class StepGraphs:
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # stage 12: (shape, greedy, filters) -> the graph, its packed ints and its verdict
         self.verifies: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, AheadVerdict]] = {}
+        self.verify_ks: dict[int, int] = {}  # stage 12: bucket -> guesses per sequence it holds
+        self.verify_width = 0  # proposal tokens per sequence in every verify shape
         self.tables = state.block_tables  # the tensors the graphs read (a grown batch: new ones)
 
     def fits(self, num_seqs: int) -> bool:
@@ -118,16 +125,38 @@ class StepGraphs:
 
     # ---- stage 12: the verify step of guesses looked up ahead ----
 
+    def plan_verify(self, guesses_for: Callable[[int], int], rule: Rule) -> None:
+        """Fix one verify shape per bucket from the speculation policy, and capture it now
+        (greedy and sampled; a step whose rows filter is captured on first use), so that no
+        capture lands inside a run. guesses_for: a batch's size -> the guesses each of its
+        sequences may take. A bucket's shape holds the most any batch in it may take, as far as
+        its rows fit the largest bucket; the width holds any lookup (see `verify_shape`)."""
+        buckets, largest = self.decode.buckets, self.decode.buckets[-1]
+        self.verify_ks = {}
+        for smaller, bucket in zip((0, *buckets), buckets):
+            k = max(guesses_for(n) for n in range(smaller + 1, bucket + 1))
+            k = min(k, largest // bucket - 1)
+            if k > 0:
+                self.verify_ks[bucket] = k
+        # a lookup asks for a step's budget plus what the step in flight may gain (its budget
+        # + 1); launch_ahead adds one
+        self.verify_width = 2 * max(self.verify_ks.values(), default=0) + 2
+        with torch.inference_mode():
+            for bucket, k in reversed(self.verify_ks.items()):
+                for greedy in (True, False):
+                    shape = AheadShape(bucket, k, self.verify_width)
+                    self._capture_verify((shape, greedy, False), rule)
+
     def verify_shape(self, num_seqs: int, k: int, width: int) -> AheadShape | None:
         """The captured shape that holds a verify step of num_seqs sequences, k guesses each at
-        most and proposals width long: the sequences' bucket, k, and the width rounded up to a
-        power of two (a lookup asks past the step in flight, whose budget may exceed k: a few
-        widths, not one per step). None when k + 1 rows per sequence of the bucket do not fit
-        the static buffers (the step then runs op by op)."""
+        most and proposals width long: its bucket's (`plan_verify`), whose rows past a
+        sequence's budget are padding. None when the bucket has no shape or a smaller one (the
+        step then runs op by op)."""
         bucket = bucket_for(num_seqs, self.decode.buckets)
-        if bucket is None or bucket * (k + 1) > self.decode.buckets[-1]:
+        most = self.verify_ks.get(bucket, 0) if bucket is not None else 0
+        if bucket is None or k > most or width > self.verify_width:
             return None
-        return AheadShape(bucket, k, 1 << max(0, width - 1).bit_length())
+        return AheadShape(bucket, most, self.verify_width)
 
     @torch.inference_mode()
     def run_verify(

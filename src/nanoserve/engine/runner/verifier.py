@@ -76,18 +76,19 @@ class Verifier:
         seqs, budgets = batch.seqs, batch.guesses
         rows = self.state.send(seqs)
         self.state.prime([self.state.row_of(seq) for seq in seqs], seqs)
-        b, k = len(seqs), max(budgets)
-        width = max(map(len, proposals), default=0) + 1
+        b, width = len(seqs), max(map(len, proposals), default=0) + 1
         sampling = (all(s.params.is_greedy for s in seqs), any(map(needs_filter, seqs)), self.rule)
-        captured = None if self.steps is None else self.steps.verify_shape(b, k, width)
-        shape = captured or AheadShape(b, k, width)
+        captured = None if self.steps is None else self.steps.verify_shape(b, max(budgets), width)
+        shape = captured or self.eager_shape(b, max(budgets), width)
+        k = shape.k  # rows per sequence: k + 1, past each budget padding (a captured bucket's)
         packed = to_device_ints(pack_ahead(seqs, proposals, budgets, shape), self.device)
         if captured is not None and self.steps is not None:  # one replay
             verdict = self.steps.run_verify(rows, packed, shape, sampling)
         else:
-            host = self.verify_host(seqs, ahead, budgets, k)
-            verdict = verify_ahead(self.state, self.every_row_logits, rows, packed, shape,
-                                   sampling, host)  # fmt: skip
+            padding = rows.new_full((shape.num_seqs - b,), self.state.padding_row)
+            host = self.verify_host(seqs, ahead, budgets, shape)
+            verdict = verify_ahead(self.state, self.every_row_logits, torch.cat([rows, padding]),
+                                   packed, shape, sampling, host)  # fmt: skip
         self.mark_sampled(seqs)
         first_rows = verdict.logits[:: k + 1][:b]  # who asks logprobs guesses nothing
         logprobs = pending_logprobs(seqs, first_rows, verdict.drawn[:b])
@@ -108,16 +109,23 @@ class Verifier:
         return logits
 
     @staticmethod
+    def eager_shape(num_seqs: int, k: int, width: int) -> AheadShape:
+        """The shape of a verify step launched op by op: just what its guesses need."""
+        return AheadShape(num_seqs, k, width)
+
+    @staticmethod
     def verify_host(
-        seqs: list[Sequence], ahead: list[int], budgets: tuple[int, ...], k: int
+        seqs: list[Sequence], ahead: list[int], budgets: tuple[int, ...], shape: AheadShape
     ) -> HostMetadata:
-        """A verify step's host lists, k + 1 rows per sequence: each row's bound on its context
-        (`most_lens` + j), or 0 and no table for a row past the sequence's budget (padding)."""
-        lens: list[int] = []
-        tables: list[list[int]] = []
+        """A verify step's host lists, k + 1 rows per sequence of the shape: each row's bound on
+        its context (`most_lens` + j), or 0 and no table for a row past the sequence's budget
+        and for the rows of padding sequences."""
+        k, lens, tables = shape.k, [], []
         for seq, bound, budget in zip(seqs, most_lens(seqs, ahead), budgets):
             lens += [bound + j if j <= budget else 0 for j in range(k + 1)]
             tables += [seq.block_table if j <= budget else [] for j in range(k + 1)]
+        lens += [0] * (shape.num_rows - len(lens))
+        tables += [[]] * (shape.num_rows - len(tables))
         return HostMetadata(list(range(len(lens) + 1)), lens, tables)
 
     @torch.inference_mode()
