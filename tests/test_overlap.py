@@ -234,3 +234,30 @@ def test_a_verify_step_replays_its_buckets_shape_fixed_from_the_policy():
     assert steps.verify_shape(17, 1, 2) is None, "wider than every bucket"
     steps.plan_verify(lambda n: 7, rule=None)  # more than the rows hold: (16 // bucket) - 1
     assert steps.verify_ks == {1: 7, 2: 7, 4: 3, 8: 1}
+
+
+def test_every_verify_step_the_policy_plans_fits_its_buckets_captured_shape():
+    # a batch of n sequences guesses at most what the bucket it replays in holds: (largest
+    # bucket - bucket) // bucket each (5 sequences replay bucket 8: 8 x 2 rows of 16), so no
+    # verify step the policy plans falls back to launching op by op
+    from types import SimpleNamespace
+
+    import torch
+
+    from nanoserve.engine.runner.cuda_graphs import graph_buckets
+    from nanoserve.engine.runner.device_batch import DeviceBatch
+    from nanoserve.engine.runner.step_graphs import StepGraphs
+    from nanoserve.engine.speculation.policy import Speculation
+
+    policy = Speculation(3, max_model_len=128, graph_rows=16, ahead=True)
+    by_size = [policy.guesses_per_sequence(n) for n in range(1, 17)]
+    assert by_size == [3, 3, 3, 3, 1, 1, 1, 1] + [0] * 8
+    assert Speculation(3, 128, graph_rows=None).guesses_per_sequence(12) == 3, "eager: no cap"
+    state = DeviceBatch(capacity=16, table_width=4, block_size=4, device="cpu")
+    decode = SimpleNamespace(buckets=graph_buckets(16), pool=None, static=None)
+    steps = StepGraphs(torch.nn.Identity(), decode, state)
+    steps._capture_verify = lambda key, rule: None
+    steps.plan_verify(policy.guesses_per_sequence, rule=None)
+    for n, k in enumerate(by_size, start=1):
+        if k:
+            assert steps.verify_shape(n, k, 2 * k + 2) is not None, f"{n} sequences, {k} guesses"

@@ -6,7 +6,7 @@ policy decides:
 
 - how many: `num_speculative_tokens`, never past max_tokens or max_model_len (a kept guess plus
   the token drawn after the kept ones must still fit), and few enough that the verify step's rows
-  still fit the largest captured graph (a batch of B sequences: (rows - B) // B each);
+  still fit the largest captured graph (a batch replaying bucket b: (rows - b) // b each);
 - when: a sequence whose guesses all missed (or which found none) backs off (`Backoff`), so the
   steps nobody guesses in run as stage 11's, overlapped;
 - what it cost and gained: `SpeculationStats`, read by bench, --trace and /metrics.
@@ -17,6 +17,7 @@ from __future__ import annotations
 import weakref
 from typing import NamedTuple
 
+from nanoserve.engine.runner.cuda_graphs import bucket_for, graph_buckets
 from nanoserve.types import Sequence
 
 # (batch size, guesses per sequence): how many a batch of up to that many sequences may take;
@@ -143,9 +144,10 @@ class Speculation:
 
     def guesses_per_sequence(self, num_seqs: int) -> int:
         """num_speculative_tokens, or fewer where a graph replays the verify step: a batch of
-        B sequences then guesses at most (largest bucket - B) // B each, so its rows still fit
-        the graphs (B = 256 of 512 rows: one guess each). A wide batch gains least from
-        guessing anyway: its step already does much work per weight read."""
+        B sequences replays the bucket of B (padding sequences included), so it guesses at
+        most (largest bucket - bucket) // bucket each and its rows still fit the graphs (256
+        of 512 rows: one guess each; 5 sequences of 16 rows replay bucket 8: one). A wide batch
+        gains least from guessing anyway: its step already does much work per weight read."""
         k = self.k
         for batch, guesses in self.by_batch:
             k = min(self.k, guesses)
@@ -153,7 +155,8 @@ class Speculation:
                 break
         if self.graph_rows is None:
             return k
-        return max(0, min(k, (self.graph_rows - num_seqs) // num_seqs))
+        bucket = bucket_for(num_seqs, graph_buckets(self.graph_rows)) or num_seqs
+        return max(0, min(k, (self.graph_rows - bucket) // bucket))
 
     def judged(self, plan, tokens: list[list[int]] | None) -> None:
         """After a plan with guess budgets ran: a sequence that kept a guess guesses every step
