@@ -21,8 +21,9 @@ shape per bucket (`AheadShape`: sequences, guesses, proposal width), fixed from 
 policy and captured at start-up (`plan_verify`), per (greedy, filters); the host copies its packed
 ints up and replays; the lookup's picking, the rows, the forward, the verdict and the record are
 all inside the graph. One shape per bucket, not one per (guesses, width) a step happens to have:
-each new shape captured inside a run cost a capture (tens of ms) there, and on the H200 those
-captures outweighed what guessing gained (docs/benchmarks.md, "Verify shapes fixed at start-up").
+captured on first use, those shapes were captured inside the timed run, and on the H200 a stage
+12 engine's first round ran 0.3-0.8x stage 11 where its later rounds ran 1.0-1.13x
+(docs/benchmarks.md, "Verify shapes fixed at start-up").
 """
 
 from __future__ import annotations
