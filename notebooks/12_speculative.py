@@ -352,6 +352,6 @@ print(f"{len(steps)} verify steps: every rollback kept just the room still writt
 #
 # A verify step then cost about one and a half plain steps (the lookup, the picking and the
 # verdict were small launches around the graph replay), and a batch waits for its slowest
-# request, so guessing paid only for a sequence alone: that is `GUESSES_BY_BATCH`. Since, the
+# request, so guessing paid only for a sequence alone: that is `GUESSES_BY_BATCH`. Since then the
 # verify step is one graph replay (1.07x a plain step alone): alone, stage 12 ran 1.13x (2
 # guesses) and 1.16x (4), one round each; the wider batches are not re-measured yet.
