@@ -269,6 +269,16 @@ def test_the_triton_backend_on_a_cpu_asks_for_the_interpreter(monkeypatch):
         select_attention_backend("triton", CPU, ("triton", "torch"))
 
 
+def test_a_bfloat16_engine_on_the_triton_interpreter_is_refused_naming_dtype(tiny_checkpoints):
+    # the interpreter keeps bfloat16 as raw uint16 and tl.dot multiplies the bit patterns
+    # (triton#11584): the engine generated one token over and over, with no error
+    folder, _ = tiny_checkpoints["llama"]
+    with pytest.raises(ValueError, match=r"dtype='bfloat16'.*interpreter.*float32"):
+        LLM(str(folder), stage=6, device="cpu", dtype="bfloat16", attention_backend="triton")
+    llm = LLM(str(folder), stage=6, device="cpu", dtype="float16", attention_backend="triton")
+    assert llm.engine.attention.name == "triton", "float16 the interpreter computes right"
+
+
 def test_auto_keeps_the_torch_path_on_a_cpu_at_the_kernel_stages():
     choice = select_attention_backend("auto", CPU, ("triton", "torch"))
     assert choice.name == "torch" and "cpu" in choice.reason

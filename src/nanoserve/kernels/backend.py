@@ -61,13 +61,14 @@ def is_importable(module: str) -> bool:
 
 
 def select_attention_backend(
-    requested: str, device: torch.device, offered: tuple[str, ...]
+    requested: str, device: torch.device, offered: tuple[str, ...], dtype=None
 ) -> BackendChoice:
     """The backend to run: the requested one if the stage offers it, or the best for the device.
 
     `offered` lists what the stage's composition can build, best first. "auto" takes the first
     offered that the device runs natively: a GPU kernel on CUDA, the torch oracle on a CPU
-    (Triton runs on a CPU only through its slow interpreter, for tests).
+    (Triton runs on a CPU only through its slow interpreter, for tests). dtype: the model's
+    (the interpreter cannot compute in bfloat16).
     """
     if requested not in ("auto", *BACKEND_NAMES):
         raise ValueError(
@@ -83,7 +84,7 @@ def select_attention_backend(
         if requested == "flash_attn" and not is_importable("flash_attn"):
             raise ValueError("attention_backend 'flash_attn' needs the flash-attn package")
         if requested == "triton":
-            check_triton_runs_on(device)
+            check_triton_runs_on(device, dtype)
         return BackendChoice(requested, "asked for")
     if device.type != "cuda":
         return BackendChoice("torch", f"auto on {device.type}: the torch oracle")
@@ -93,14 +94,23 @@ def select_attention_backend(
     return BackendChoice("torch", "auto on cuda: no kernel package importable")
 
 
-def check_triton_runs_on(device: torch.device) -> None:
-    """ValueError unless Triton can run on device: a GPU, or a CPU through the interpreter."""
+def check_triton_runs_on(device: torch.device, dtype=None) -> None:
+    """ValueError unless Triton can run on device: a GPU, or a CPU through the interpreter,
+    in a dtype the interpreter computes (dtype None: not known yet)."""
     if not is_importable("triton"):
         raise ValueError("attention_backend 'triton' needs the triton package (pip install triton)")
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if device.type == "cuda":
+        return
+    if os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             "attention_backend 'triton' on a CPU runs through Triton's interpreter: set "
             "TRITON_INTERPRET=1 in the environment before Python starts (it is slow; for tests)"
+        )
+    if dtype == torch.bfloat16:  # NumPy has no bfloat16 (triton#11584): tokens would be wrong
+        raise ValueError(
+            "dtype='bfloat16' with attention_backend 'triton' on a CPU: Triton's interpreter "
+            "keeps bfloat16 as raw 16-bit integers and tl.dot multiplies their bit patterns; "
+            "pass dtype='float32' (or 'float16')"
         )
 
 

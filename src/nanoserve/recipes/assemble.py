@@ -96,7 +96,7 @@ def build_runner(
     offered = recipe.backends
     if config.kv_cache_dtype == "fp8":  # flash-attn reads no e4m3 pages
         offered = tuple(b for b in offered if b != "flash_attn")
-    choice = select_attention_backend(config.attention_backend, spec.device, offered)
+    choice = select_attention_backend(config.attention_backend, spec.device, offered, spec.dtype)
     parts = checked_components(stage, recipe, components, choice.name)  # before slow loading
     check_block_size(choice.name, config.block_size)
     if model is None:
