@@ -21,6 +21,7 @@ from nanoserve.engine.loop.scheduler import Scheduler
 from nanoserve.engine.loop.trace import StepRecord
 from nanoserve.engine.memory.kv_manager import KVCacheManager
 from nanoserve.engine.runner.model_runner import ModelRunner
+from nanoserve.engine.runner.overlap_runner import OverlapRunner
 from nanoserve.engine.speculation.policy import Speculation, SpeculationStats
 from nanoserve.kernels.backend import BackendChoice
 from nanoserve.kernels.compile_log import CompileLog
@@ -49,10 +50,10 @@ class LLMEngine:
         self.manager = manager
         self.attention = attention  # which backend runs, and why (shown by --trace and bench)
         policy = None
-        if getattr(runner, "proposer", None) is not None:
+        if isinstance(runner, OverlapRunner) and runner.proposer is not None:
             rows = None if runner.graphs is None else runner.graphs.buckets[-1]
-            policy = Speculation.of(config, rows, ahead=getattr(runner, "ahead", False))
-            runner.plan_guesses(policy.guesses_per_sequence)  # type: ignore[attr-defined]
+            policy = Speculation.of(config, rows, ahead=runner.ahead)
+            runner.plan_guesses(policy.guesses_per_sequence)  # its verify shapes, captured now
         self.scheduler = scheduler(config, manager, eos_ids, policy)
         # stage 12: proposals made and kept (None: the engine does not guess)
         self.speculation = None if policy is None else SpeculationStats()
