@@ -271,3 +271,30 @@ def test_the_workload_steps_tool_splits_a_run_whose_steps_add_up_to_it(tmp_path)
     assert sum(s["tokens"] for s in steps if not s["prefill"]) == sum(
         int(g[-8]) for g in groups if g[0] == "decode"
     )
+
+
+@pytest.mark.slow  # a compiler in a child process: make test runs it, make check not
+def test_the_kernel_sass_tool_compiles_the_fp8_decode_kernel_with_under_one_conversion_a_code():
+    """tools/kernel_sass.py (a measuring tool for docs/benchmarks.md) compiles the paged decode
+    kernel for sm_90 on a CPU. Over e4m3 codes, a thread of 4 warps decodes 64 keys x 128 of K
+    and of V a tile (128 codes): converting each code to bfloat16 in one step took 1.5
+    conversion instructions a code, which Hopper issues at 16 a clock per SM; the kernel must
+    keep under one."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    command = [sys.executable, str(root / "tools/kernel_sass.py"), "--block-n", "64"]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not run
+    env["PYTHONPATH"] = str(root / "src")
+    printed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert printed.returncode == 0, printed.stderr[-2000:]
+    rows = [line.split("|")[1:-1] for line in printed.stdout.splitlines() if line.startswith("| ")]
+    table = [dict(zip([h.strip() for h in rows[0]], [c.strip() for c in row])) for row in rows[1:]]
+    pools = {row["pool"]: row for row in table}
+    assert set(pools) == {"bfloat16", "e4m3"}
+    assert int(pools["e4m3"]["mma"]) == int(pools["bfloat16"]["mma"]) > 0  # the same two dots
+    codes_per_thread = 2 * 64 * 128 // (4 * 32)
+    assert 0 < int(pools["e4m3"]["cvt"]) < codes_per_thread

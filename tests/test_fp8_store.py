@@ -18,6 +18,9 @@ from nanoserve.kernels.torch_fp8 import store_kvcache_fp8 as torch_store_fp8
 
 triton = pytest.importorskip("triton", reason="the Triton kernels need triton (pip install triton)")
 
+import triton.language as tl  # noqa: E402
+
+from nanoserve.kernels.e4m3 import bfloat16_of_float32, e4m3_to_float, e4m3_value  # noqa: E402
 from nanoserve.kernels.store_fp8 import store_kvcache_fp8  # noqa: E402
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -219,3 +222,40 @@ def test_gpu_store_matches_torch_bitwise_on_qwen3_shapes(dtype):
         sizes = 2.0 ** torch.randint(-4, 5, (2, len(slot_mapping), 8, 1), generator=gen)
         values = torch.randn(2, len(slot_mapping), 8, 128, generator=gen) * sizes
         caches = store_both(*strided_kv(values.to(DEVICE), dtype), caches, slot_mapping)
+
+
+@triton.jit
+def _decode_to_bfloat16(codes_ptr, out_ptr, N: tl.constexpr, HARDWARE: tl.constexpr):
+    offs = tl.arange(0, N)
+    codes = tl.load(codes_ptr + offs)
+    if HARDWARE:  # what the attention kernels run on a GPU with fp8 instructions
+        values = e4m3_to_float(codes, tl.bfloat16, True)
+    else:  # the same float32 -> bfloat16 step, the float32 decoded from the bits
+        values = bfloat16_of_float32(e4m3_value(codes))
+    tl.store(out_ptr + offs, values)
+
+
+def decode_every_code_to_bfloat16(device, hardware: bool) -> None:
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    codes = torch.cat([codes, codes[:2]]).to(device)  # 256 entries, a power of two; no NaN
+    out = torch.empty(256, dtype=torch.bfloat16, device=device)
+    _decode_to_bfloat16[(1,)](codes, out, N=256, HARDWARE=hardware)
+    want = codes.view(torch.float8_e4m3fn).to(torch.bfloat16)
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))  # 0x80 is -0.0: bits
+
+
+def test_a_float32_holding_an_e4m3_value_gives_its_bfloat16_by_a_shift():
+    """`bfloat16_of_float32` (the top 16 bits) on every finite e4m3 value: torch's bfloat16."""
+    decode_every_code_to_bfloat16(DEVICE, hardware=False)
+
+
+@pytest.mark.gpu
+def test_gpu_converts_every_e4m3_code_to_torchs_bfloat16():
+    """The hardware path the attention kernels take for a bfloat16 model, code by code."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from nanoserve.kernels.e4m3 import converts_fp8
+
+    if not converts_fp8(torch.empty(0, device="cuda")):
+        pytest.skip("this GPU has no fp8 conversion (compute capability below 8.9)")
+    decode_every_code_to_bfloat16("cuda", hardware=True)

@@ -55,12 +55,28 @@ def e4m3_value(codes):
 def e4m3_to_float(codes, DTYPE: tl.constexpr, HARDWARE: tl.constexpr):
     """Values of e4m3 codes (uint8) in DTYPE (every e4m3 value is exact in bfloat16, float16 and
     float32). HARDWARE: the GPU converts them (a bitcast to float8e4nv, torch's float8_e4m3fn,
-    then a conversion instruction): exact, as the bits are. On the H200, at batch 256 and
+    converted to float32; for bfloat16 then `bfloat16_of_float32`): exact, as the bits are.
+    On the H200, at batch 256 and
     context 1,024, the decode kernel took 17.3 ms with the bits and 10.8 ms converting in
     hardware (docs/benchmarks.md, "Where a decode step's time goes")."""
     if HARDWARE:
-        return codes.to(tl.float8e4nv, bitcast=True).to(DTYPE)
+        value = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        if tl.bfloat16 == DTYPE:
+            return bfloat16_of_float32(value)
+        return value.to(DTYPE)
     return e4m3_value(codes).to(DTYPE)
+
+
+@triton.jit
+def bfloat16_of_float32(value):
+    """bfloat16 of float32 values with at most 8 significant bits (e4m3's have 4): the top 16
+    bits, exact, by a shift. Not `.to(tl.bfloat16)`, nor e4m3 to bfloat16 in one step: those
+    compile to conversion instructions, which Hopper issues at 16 a clock per SM. e4m3 straight
+    to bfloat16 costs 1.5 of them a code (a pair to float16, then each to bfloat16); through
+    float32 and this shift, 0.5 (the compiler widens float16 with an addition, HADD2.F32, and
+    packs two top halves with one byte permute). `tools/kernel_sass.py` counts them;
+    docs/benchmarks.md, "The fp8 decode kernel read without a GPU"."""
+    return (value.to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 def converts_fp8(cache: torch.Tensor) -> bool:

@@ -1,0 +1,177 @@
+"""What a GPU would run: the paged decode kernel compiled for an H100/H200 (sm_90) on a CPU.
+
+    PYTHONPATH=src python3 tools/kernel_sass.py                      # bfloat16 pool and e4m3
+    PYTHONPATH=src python3 tools/kernel_sass.py --kv e4m3 --block-n 64,128 --warps 4,8
+    PYTHONPATH=src python3 tools/kernel_sass.py --kv e4m3 --dump /tmp/decode   # .ttgir .ptx .sass
+
+No GPU is needed: Triton's wheel carries ptxas and cuobjdump, so the kernel is compiled exactly
+as a launch on the H200 would compile it (same arguments, same specialization: pointers and
+strides known to be multiples of 16 bytes, `do_not_specialize` honoured) and the machine code
+is read back. For each tile set it prints the registers per thread, the bytes spilled to local
+memory, the shared memory, and how many instructions of each kind the kernel holds:
+
+- `cvt`: conversions (F2F, F2FP, I2F, F2I). On Hopper these issue at 16 results per clock per
+  SM, a quarter of integer and an eighth of float32 arithmetic (CUDA programming guide,
+  "Arithmetic instructions"): a kernel that converts every K/V element can be bound by them.
+- `ld.global`, `ld.global->shared` (cp.async, what software pipelining issues), `ld.shared`
+  (LDS, LDSM), `mma` (HMMA), `spill` (STL, LDL).
+
+It counts instructions in the binary, not instructions executed: the loop body appears once, so
+the counts compare variants of one kernel, they are not times. Launch arguments are those of a
+batch of Qwen3-0.6B decode steps (16 query heads, 8 KV heads, 128 wide, blocks of 16 tokens).
+A measuring tool for docs/benchmarks.md, never a test; the Triton version matters (printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import itertools
+import os
+import pathlib
+import re
+import subprocess
+import tempfile
+
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns unless it is set
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from nanoserve.cache.fp8_pool import Fp8KVPool
+from nanoserve.kernels import paged_decode
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 16
+KINDS = {
+    "cvt": re.compile(r"^(F2F|F2FP|I2F|F2I)\b"),
+    "ld.global": re.compile(r"^LDG\b"),
+    "ld.global->shared": re.compile(r"^LDGSTS\b"),
+    "ld.shared": re.compile(r"^(LDS|LDSM)\b"),
+    "mma": re.compile(r"^HMMA\b"),
+    "spill": re.compile(r"^(STL|LDL)\b"),
+}
+TORCH_TYPES = {
+    torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+    torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64",
+}  # fmt: skip
+
+
+def capture_decode_launch(kv: str, block_n: int) -> tuple[dict, dict]:
+    """Call `paged_attention_decode` on small CPU tensors with the kernel swapped for a recorder:
+    the wrapper computes every launch argument as it would on the GPU; nothing runs."""
+    torch.manual_seed(0)
+    batch, blocks_per_seq = 4, 64  # context 1,024: one partition, as at batch 256 on the H200
+    q = torch.randn(batch, HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    tables = torch.arange(batch * blocks_per_seq, dtype=torch.int32).view(batch, -1)
+    lens = torch.full((batch,), blocks_per_seq * BLOCK, dtype=torch.int32)
+    if kv == "e4m3":
+        num_blocks = batch * blocks_per_seq
+        pool = Fp8KVPool(num_blocks, BLOCK, 1, KV_HEADS, HEAD_DIM, torch.bfloat16, "cpu")
+        (k, v), scales = pool.layer_caches(0), pool.layer_scales(0)
+    else:
+        shape = (batch * blocks_per_seq, BLOCK, KV_HEADS, HEAD_DIM)
+        k, v = (torch.zeros(shape, dtype=torch.bfloat16) for _ in range(2))
+        scales = {}
+    launches: list[tuple[tuple, dict]] = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((args, kwargs))
+
+    kernel = paged_decode._decode_partition_kernel
+    paged_decode._decode_partition_kernel = Recorder()
+    try:
+        paged_decode.paged_attention_decode(q, k, v, lens, tables, 0.088, block_n=block_n, **scales)
+    finally:
+        paged_decode._decode_partition_kernel = kernel
+    ((args, kwargs),) = launches
+    # A GPU with fp8 instructions converts the codes in hardware; a CPU launch says it cannot.
+    kwargs["FP8_HARDWARE"] = kv == "e4m3"
+    return dict(zip(kernel.arg_names, args)), kwargs
+
+
+def compile_for_sm90(kernel, values: dict, kwargs: dict):
+    """Specialize as Triton's launcher does, then compile for compute capability 9.0."""
+    options = {name: kwargs.pop(name) for name in ("num_warps", "num_stages")}
+    values = {**values, **kwargs}
+    signature, constexprs, attrs = {}, {}, {}
+    for index, name in enumerate(kernel.arg_names):
+        value = values[name]
+        param = kernel.params[index]
+        if param.is_constexpr or value is None:
+            signature[name] = "constexpr"
+            constexprs[(index,)] = value
+        elif isinstance(value, torch.Tensor):
+            signature[name] = "*" + TORCH_TYPES[value.dtype]
+            attrs[(index,)] = [["tt.divisibility", 16]]  # torch's allocations are aligned
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+            if value % 16 == 0 and not param.do_not_specialize:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def read_binary(compiled, dump: pathlib.Path | None) -> dict:
+    """Registers, spill bytes and an instruction count per kind, from cuobjdump."""
+    tools = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as folder:
+        cubin = pathlib.Path(folder) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        usage = run(tools / "cuobjdump", "--dump-resource-usage", cubin)
+        sass = run(tools / "cuobjdump", "-sass", cubin)
+    if dump is not None:
+        for kind in ("ttgir", "ptx"):
+            dump.with_suffix(f".{kind}").write_text(compiled.asm[kind])
+        dump.with_suffix(".sass").write_text(sass)
+    opcodes = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+    counts = collections.Counter(op for op in opcodes)
+    row = {"registers": int(re.search(r"REG:(\d+)", usage)[1]),
+           "stack bytes": int(re.search(r"STACK:(\d+)", usage)[1]),
+           "shared KiB": compiled.metadata.shared / 1024,
+           "instructions": len(opcodes)}  # fmt: skip
+    for kind, pattern in KINDS.items():
+        row[kind] = sum(n for op, n in counts.items() if pattern.match(op))
+    row["conversions"] = ", ".join(
+        f"{n} {op}" for op, n in counts.most_common() if KINDS["cvt"].match(op)
+    )
+    return row
+
+
+def run(*command) -> str:
+    return subprocess.run(command, capture_output=True, text=True, check=True).stdout
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--kv", default="bfloat16,e4m3", help="pools: bfloat16, e4m3 or both")
+    parser.add_argument("--block-n", default="64,128", help="keys per tile, comma-separated")
+    parser.add_argument("--warps", default="4", help="warps per program, comma-separated")
+    parser.add_argument("--stages", default="2", help="pipeline stages, comma-separated")
+    parser.add_argument("--dump", type=pathlib.Path, help="write .ttgir .ptx .sass (one set)")
+    args = parser.parse_args()
+    print(f"Triton {triton.__version__}, target sm_90; paged decode, {HEADS} query heads, "
+          f"{KV_HEADS} KV heads, {HEAD_DIM} wide, blocks of {BLOCK}\n")  # fmt: skip
+    numbers = (list(map(int, a.split(","))) for a in (args.block_n, args.warps, args.stages))
+    sets = itertools.product(args.kv.split(","), *numbers)
+    header = None
+    for kv, block_n, warps, stages in sets:
+        values, kwargs = capture_decode_launch(kv, block_n)
+        kwargs.update(num_warps=warps, num_stages=stages)
+        row = read_binary(compile_for_sm90(paged_decode._decode_partition_kernel, values, kwargs),
+                          args.dump)  # fmt: skip
+        row = {"pool": kv, "keys, warps, stages": f"{block_n}, {warps}, {stages}", **row}
+        if header is None:
+            header = list(row)
+            print("| " + " | ".join(header) + " |")
+            print("|" + "---|" * len(header))
+        print("| " + " | ".join(f"{row[h]:g}" if isinstance(row[h], float) else str(row[h])
+                                for h in header) + " |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
