@@ -1,7 +1,8 @@
-"""What a GPU would run: the paged decode kernel compiled for an H100/H200 (sm_90) on a CPU.
+"""What a GPU would run: a paged attention kernel compiled for an H100/H200 (sm_90) on a CPU.
 
     PYTHONPATH=src python3 tools/kernel_sass.py                      # bfloat16 pool and e4m3
     PYTHONPATH=src python3 tools/kernel_sass.py --kv e4m3 --block-n 64,128 --warps 4,8
+    PYTHONPATH=src python3 tools/kernel_sass.py --kernel prefill                # prompts of 1,024
     PYTHONPATH=src python3 tools/kernel_sass.py --kv e4m3 --dump /tmp/decode   # .ttgir .ptx .sass
 
 No GPU is needed: Triton's wheel carries ptxas and cuobjdump, so the kernel is compiled exactly
@@ -14,10 +15,11 @@ memory, the shared memory, and how many instructions of each kind the kernel hol
   SM, a quarter of integer and an eighth of float32 arithmetic (CUDA programming guide,
   "Arithmetic instructions"): a kernel that converts every K/V element can be bound by them.
 - `ld.global`, `ld.global->shared` (cp.async, what software pipelining issues), `ld.shared`
-  (LDS, LDSM), `mma` (HMMA), `spill` (STL, LDL).
+  (LDS, LDSM), `mma` (HMMA; HGMMA, Hopper's warpgroup mma, in prefill), `spill` (STL, LDL).
 
-It counts instructions in the binary, not instructions executed: the loop body appears once, so
-the counts compare variants of one kernel, they are not times. Launch arguments are those of a
+It counts instructions in the binary, not instructions executed: each loop's body appears once
+(prefill has two: the diagonal's masked tiles, then the full ones), so the counts
+compare variants of one kernel, they are not times. Launch arguments are those of a
 batch of Qwen3-0.6B decode steps (16 query heads, 8 KV heads, 128 wide, blocks of 16 tokens).
 A measuring tool for docs/benchmarks.md, never a test; the Triton version matters (printed).
 """
@@ -41,15 +43,19 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from nanoserve.cache.fp8_pool import Fp8KVPool
-from nanoserve.kernels import paged_decode
+from nanoserve.kernels import paged_decode, paged_prefill
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 16
+WRAPPERS = {
+    "decode": (paged_decode, "_decode_partition_kernel"),
+    "prefill": (paged_prefill, "_prefill_kernel"),
+}
 KINDS = {
     "cvt": re.compile(r"^(F2F|F2FP|I2F|F2I)\b"),
     "ld.global": re.compile(r"^LDG\b"),
     "ld.global->shared": re.compile(r"^LDGSTS\b"),
     "ld.shared": re.compile(r"^(LDS|LDSM)\b"),
-    "mma": re.compile(r"^HMMA\b"),
+    "mma": re.compile(r"^(HMMA|HGMMA)\b"),
     "spill": re.compile(r"^(STL|LDL)\b"),
 }
 TORCH_TYPES = {
@@ -58,12 +64,12 @@ TORCH_TYPES = {
 }  # fmt: skip
 
 
-def capture_decode_launch(kv: str, block_n: int) -> tuple[dict, dict]:
-    """Call `paged_attention_decode` on small CPU tensors with the kernel swapped for a recorder:
-    the wrapper computes every launch argument as it would on the GPU; nothing runs."""
+def capture_launch(kernel_name: str, kv: str, block_n: int) -> tuple[object, dict, dict]:
+    """Call the kernel's wrapper on small CPU tensors with the kernel swapped for a recorder:
+    the wrapper computes every launch argument as it would on the GPU; nothing runs. Returns the
+    kernel, its arguments by name and the launch's keywords."""
     torch.manual_seed(0)
-    batch, blocks_per_seq = 4, 64  # context 1,024: one partition, as at batch 256 on the H200
-    q = torch.randn(batch, HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    batch, blocks_per_seq = 4, 64  # context 1,024: one decode partition, as at batch 256
     tables = torch.arange(batch * blocks_per_seq, dtype=torch.int32).view(batch, -1)
     lens = torch.full((batch,), blocks_per_seq * BLOCK, dtype=torch.int32)
     if kv == "e4m3":
@@ -74,22 +80,29 @@ def capture_decode_launch(kv: str, block_n: int) -> tuple[dict, dict]:
         shape = (batch * blocks_per_seq, BLOCK, KV_HEADS, HEAD_DIM)
         k, v = (torch.zeros(shape, dtype=torch.bfloat16) for _ in range(2))
         scales = {}
-    launches: list[tuple[tuple, dict]] = []
+    module, name = WRAPPERS[kernel_name]
+    kernel, launches = getattr(module, name), []
 
     class Recorder:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launches.append((args, kwargs))
 
-    kernel = paged_decode._decode_partition_kernel
-    paged_decode._decode_partition_kernel = Recorder()
+    setattr(module, name, Recorder())
     try:
-        paged_decode.paged_attention_decode(q, k, v, lens, tables, 0.088, block_n=block_n, **scales)
+        if kernel_name == "decode":
+            q = torch.randn(batch, HEADS, HEAD_DIM, dtype=torch.bfloat16)
+            module.paged_attention_decode(q, k, v, lens, tables, 0.088, block_n=block_n, **scales)
+        else:  # whole prompts of 1,024 tokens
+            q = torch.randn(int(lens.sum()), HEADS, HEAD_DIM, dtype=torch.bfloat16)
+            cu_seqlens = torch.arange(batch + 1, dtype=torch.int32) * int(lens[0])
+            module.paged_attention_prefill(q, k, v, cu_seqlens, lens, tables, int(lens[0]), 0.088,
+                                           block_n=block_n, **scales)  # fmt: skip
     finally:
-        paged_decode._decode_partition_kernel = kernel
+        setattr(module, name, kernel)
     ((args, kwargs),) = launches
     # A GPU with fp8 instructions converts the codes in hardware; a CPU launch says it cannot.
     kwargs["FP8_HARDWARE"] = kv == "e4m3"
-    return dict(zip(kernel.arg_names, args)), kwargs
+    return kernel, dict(zip(kernel.arg_names, args)), kwargs
 
 
 def compile_for_sm90(kernel, values: dict, kwargs: dict):
@@ -148,22 +161,22 @@ def run(*command) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--kernel", choices=sorted(WRAPPERS), default="decode")
     parser.add_argument("--kv", default="bfloat16,e4m3", help="pools: bfloat16, e4m3 or both")
     parser.add_argument("--block-n", default="64,128", help="keys per tile, comma-separated")
     parser.add_argument("--warps", default="4", help="warps per program, comma-separated")
     parser.add_argument("--stages", default="2", help="pipeline stages, comma-separated")
     parser.add_argument("--dump", type=pathlib.Path, help="write .ttgir .ptx .sass (one set)")
     args = parser.parse_args()
-    print(f"Triton {triton.__version__}, target sm_90; paged decode, {HEADS} query heads, "
+    print(f"Triton {triton.__version__}, target sm_90; paged {args.kernel}, {HEADS} query heads, "
           f"{KV_HEADS} KV heads, {HEAD_DIM} wide, blocks of {BLOCK}\n")  # fmt: skip
     numbers = (list(map(int, a.split(","))) for a in (args.block_n, args.warps, args.stages))
     sets = itertools.product(args.kv.split(","), *numbers)
     header = None
     for kv, block_n, warps, stages in sets:
-        values, kwargs = capture_decode_launch(kv, block_n)
+        kernel, values, kwargs = capture_launch(args.kernel, kv, block_n)
         kwargs.update(num_warps=warps, num_stages=stages)
-        row = read_binary(compile_for_sm90(paged_decode._decode_partition_kernel, values, kwargs),
-                          args.dump)  # fmt: skip
+        row = read_binary(compile_for_sm90(kernel, values, kwargs), args.dump)
         row = {"pool": kv, "keys, warps, stages": f"{block_n}, {warps}, {stages}", **row}
         if header is None:
             header = list(row)
