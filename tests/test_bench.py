@@ -276,10 +276,9 @@ def test_the_workload_steps_tool_splits_a_run_whose_steps_add_up_to_it(tmp_path)
 @pytest.mark.slow  # a compiler in a child process: make test runs it, make check not
 def test_the_kernel_sass_tool_compiles_the_fp8_decode_kernel_with_under_one_conversion_a_code():
     """tools/kernel_sass.py (a measuring tool for docs/benchmarks.md) compiles the paged decode
-    kernel for sm_90 on a CPU. Over e4m3 codes, a thread of 4 warps decodes 64 keys x 128 of K
-    and of V a tile (128 codes): converting each code to bfloat16 in one step took 1.5
-    conversion instructions a code, which Hopper issues at 16 a clock per SM; the kernel must
-    keep under one."""
+    kernel for sm_90 on a CPU. A tile of 64 keys x 128 of K and of V over 4 warps is 128 codes a
+    thread; converting each straight to bfloat16 took 1.5 conversion instructions a code, which
+    Hopper issues at 16 a clock per SM. The kernel must keep under one a code."""
     import os
     import subprocess
     import sys
