@@ -16,8 +16,9 @@ import triton.language as tl
 
 from nanoserve.kernels.e4m3 import e4m3_code, e4m3_value, power_of_two, scale_exponent
 
-# Which programs work: grid (T, H_kv); program (t, h) leads when token t starts a run, and writes
-# head h of the whole run, for K and for V. Everyone else returns at once. Block size 4:
+# Which programs work: grid (T, H_kv, 2); program (t, h, 0) leads when token t starts a run, and
+# writes head h of the whole run for K; (t, h, 1) the same for V. Everyone else returns at once.
+# Block size 4:
 #
 #   slot_mapping   5   6   7 |  8   9 | 17 | -1 | 20
 #   block/offset  1/1 1/2 1/3| 2/0 2/1| 4/1|    | 5/0
@@ -42,31 +43,45 @@ def _write_run_head(
 ):  # fmt: skip
     """`fp8.write_run` for one head of K or of V. x_ptr: the head's row of the run's first token,
     slots_ptr: its slot_mapping entry (slot), limit: the most tokens the run may have. cache_ptr
-    points at the head's (D,) codes of slot 0, scale_ptr at the block's exponent."""
-    amax = 0.0
-    for start in range(0, limit, CHUNK):  # pass 1: the run's amax
-        x, _ = _load_run_rows(x_ptr, stride_t, stride_d, slots_ptr, slot, start, limit,
-                              CHUNK, HEAD_DIM, BLOCK_D)  # fmt: skip
-        amax = tl.maximum(amax, tl.max(tl.abs(x)))
-    new = scale_exponent(amax)  # pass 2: the exponent; the older codes follow it
+    points at the head's (D,) codes of slot 0, scale_ptr at the block's exponent.
+
+    A decode step's store is a chain of waits on memory, not arithmetic, so the loads that do
+    not depend on each other go out together: the block's old exponent beside the run's rows,
+    and the rows beside their slots. When a run fits one chunk (blocks of up to CHUNK tokens,
+    the default 16) its rows are loaded once and kept for the codes."""
+    old = tl.load(scale_ptr)  # meaningful only if the block already holds tokens (offset > 0)
     offset = slot % BLOCK_SIZE
+    if BLOCK_SIZE <= CHUNK:  # pass 1, the run's amax, from the one chunk it fits in
+        x, mask = _load_run_rows(x_ptr, stride_t, stride_d, slots_ptr, slot, 0, limit,
+                                 CHUNK, HEAD_DIM, BLOCK_D)  # fmt: skip
+        amax = tl.maximum(0.0, tl.max(tl.abs(x)))
+    else:
+        amax = 0.0
+        for start in range(0, limit, CHUNK):
+            x, _ = _load_run_rows(x_ptr, stride_t, stride_d, slots_ptr, slot, start, limit,
+                                  CHUNK, HEAD_DIM, BLOCK_D)  # fmt: skip
+            amax = tl.maximum(amax, tl.max(tl.abs(x)))
+    new = scale_exponent(amax)  # pass 2: the exponent; the older codes follow it
     if offset > 0:
-        old = tl.load(scale_ptr)
         if new > old:  # (at an unchanged exponent each code would requantize to itself)
             rows, dims = tl.arange(0, CHUNK), tl.arange(0, BLOCK_D)
             for start in range(0, offset, CHUNK):
-                mask = (start + rows < offset)[:, None] & (dims < HEAD_DIM)[None, :]
+                mask_old = (start + rows < offset)[:, None] & (dims < HEAD_DIM)[None, :]
                 ptrs = _code_ptrs(cache_ptr, slot - offset + start + rows, NUM_KV_HEADS, HEAD_DIM,
                                   BLOCK_D)  # fmt: skip
-                y = e4m3_value(tl.load(ptrs, mask)) * power_of_two(old) * power_of_two(-new)
-                tl.store(ptrs, e4m3_code(y), mask)
+                y = e4m3_value(tl.load(ptrs, mask_old)) * power_of_two(old) * power_of_two(-new)
+                tl.store(ptrs, e4m3_code(y), mask_old)
         new = tl.maximum(new, old)
-    for start in range(0, limit, CHUNK):  # pass 3: the run's own codes
-        x, mask = _load_run_rows(x_ptr, stride_t, stride_d, slots_ptr, slot, start, limit,
-                                 CHUNK, HEAD_DIM, BLOCK_D)  # fmt: skip
-        ptrs = _code_ptrs(cache_ptr, slot + start + tl.arange(0, CHUNK), NUM_KV_HEADS, HEAD_DIM,
-                          BLOCK_D)  # fmt: skip
+    if BLOCK_SIZE <= CHUNK:  # pass 3: the run's own codes
+        ptrs = _code_ptrs(cache_ptr, slot + tl.arange(0, CHUNK), NUM_KV_HEADS, HEAD_DIM, BLOCK_D)
         tl.store(ptrs, e4m3_code(x * power_of_two(-new)), mask)
+    else:
+        for start in range(0, limit, CHUNK):
+            x, mask = _load_run_rows(x_ptr, stride_t, stride_d, slots_ptr, slot, start, limit,
+                                     CHUNK, HEAD_DIM, BLOCK_D)  # fmt: skip
+            ptrs = _code_ptrs(cache_ptr, slot + start + tl.arange(0, CHUNK), NUM_KV_HEADS,
+                              HEAD_DIM, BLOCK_D)  # fmt: skip
+            tl.store(ptrs, e4m3_code(x * power_of_two(-new)), mask)
     tl.store(scale_ptr, new)
 
 
@@ -76,12 +91,16 @@ def _load_run_rows(
     CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """The run's tokens start..start+CHUNK-1 as float32 (CHUNK, BLOCK_D), and the mask of those
-    in the run: before `limit`, at slots slot + start, slot + start + 1, ... (zeros elsewhere)."""
+    in the run: before `limit`, at slots slot + start, slot + start + 1, ... (zeros elsewhere).
+    The rows are read without waiting for the slots (every row before `limit` is a token of
+    this call), then the rows outside the run are zeroed."""
     rows, dims = start + tl.arange(0, CHUNK), tl.arange(0, BLOCK_D)
-    in_run = (rows < limit) & (tl.load(slots_ptr + rows, rows < limit, other=-1) == slot + rows)
+    in_rows = rows < limit
+    in_run = in_rows & (tl.load(slots_ptr + rows, in_rows, other=-1) == slot + rows)
     mask = in_run[:, None] & (dims < HEAD_DIM)[None, :]
     ptrs = x_ptr + rows[:, None] * stride_t + dims[None, :] * stride_d
-    return tl.load(ptrs, mask, other=0.0).to(tl.float32), mask
+    x = tl.load(ptrs, in_rows[:, None] & (dims < HEAD_DIM)[None, :], other=0.0).to(tl.float32)
+    return tl.where(mask, x, 0.0), mask
 
 
 @triton.jit
@@ -101,7 +120,7 @@ def _store_kvcache_fp8_kernel(
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,  # BLOCK_D: HEAD_DIM rounded up to a power of two
 ):  # fmt: skip
-    token, head = tl.program_id(0), tl.program_id(1)
+    token, head, is_value = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)  # int64: slot * H_kv * D may pass 2**31
     previous = tl.load(slot_mapping_ptr + token - 1, mask=token > 0, other=-1).to(tl.int64)
     goes_on = (slot % BLOCK_SIZE != 0) & (previous == slot - 1)  # token - 1 leads or went on
@@ -109,14 +128,16 @@ def _store_kvcache_fp8_kernel(
         return
     limit = tl.minimum(BLOCK_SIZE - slot % BLOCK_SIZE, num_tokens - token)  # the run's most tokens
     scale = (slot // BLOCK_SIZE) * NUM_KV_HEADS + head  # this block and head's exponent
-    _write_run_head(key_ptr + token * key_stride_t + head * key_stride_h, key_stride_t,
-                    key_stride_d, k_cache_ptr + head * HEAD_DIM, k_scales_ptr + scale,
-                    slot_mapping_ptr + token, slot, limit,
-                    NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, CHUNK, BLOCK_D)  # fmt: skip
-    _write_run_head(value_ptr + token * value_stride_t + head * value_stride_h, value_stride_t,
-                    value_stride_d, v_cache_ptr + head * HEAD_DIM, v_scales_ptr + scale,
-                    slot_mapping_ptr + token, slot, limit,
-                    NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, CHUNK, BLOCK_D)  # fmt: skip
+    if is_value == 0:
+        _write_run_head(key_ptr + token * key_stride_t + head * key_stride_h, key_stride_t,
+                        key_stride_d, k_cache_ptr + head * HEAD_DIM, k_scales_ptr + scale,
+                        slot_mapping_ptr + token, slot, limit,
+                        NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, CHUNK, BLOCK_D)  # fmt: skip
+    else:
+        _write_run_head(value_ptr + token * value_stride_t + head * value_stride_h,
+                        value_stride_t, value_stride_d, v_cache_ptr + head * HEAD_DIM,
+                        v_scales_ptr + scale, slot_mapping_ptr + token, slot, limit,
+                        NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, CHUNK, BLOCK_D)  # fmt: skip
 
 
 def store_kvcache_fp8(key, value, k_cache, v_cache, slot_mapping, *, k_scales, v_scales) -> None:
@@ -126,7 +147,7 @@ def store_kvcache_fp8(key, value, k_cache, v_cache, slot_mapping, *, k_scales, v
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    _store_kvcache_fp8_kernel[(num_tokens, num_kv_heads)](
+    _store_kvcache_fp8_kernel[(num_tokens, num_kv_heads, 2)](  # K, then V: one program each
         key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping, num_tokens,
         *key.stride(), *value.stride(),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], CHUNK=CHUNK,
