@@ -1,6 +1,7 @@
 """What a GPU would run: a paged attention kernel compiled for an H100/H200 (sm_90) on a CPU.
 
     PYTHONPATH=src python3 tools/kernel_sass.py                      # bfloat16 pool and e4m3
+    PYTHONPATH=src python3 tools/kernel_sass.py --dtype float16      # a float16 model
     PYTHONPATH=src python3 tools/kernel_sass.py --kv e4m3 --block-n 64,128 --warps 4,8
     PYTHONPATH=src python3 tools/kernel_sass.py --kernel prefill                # prompts of 1,024
     PYTHONPATH=src python3 tools/kernel_sass.py --kv e4m3 --dump /tmp/decode   # .ttgir .ptx .sass
@@ -64,7 +65,9 @@ TORCH_TYPES = {
 }  # fmt: skip
 
 
-def capture_launch(kernel_name: str, kv: str, block_n: int) -> tuple[object, dict, dict]:
+def capture_launch(
+    kernel_name: str, kv: str, block_n: int, dtype=torch.bfloat16
+) -> tuple[object, dict, dict]:
     """Call the kernel's wrapper on small CPU tensors with the kernel swapped for a recorder:
     the wrapper computes every launch argument as it would on the GPU; nothing runs. Returns the
     kernel, its arguments by name and the launch's keywords."""
@@ -74,11 +77,11 @@ def capture_launch(kernel_name: str, kv: str, block_n: int) -> tuple[object, dic
     lens = torch.full((batch,), blocks_per_seq * BLOCK, dtype=torch.int32)
     if kv == "e4m3":
         num_blocks = batch * blocks_per_seq
-        pool = Fp8KVPool(num_blocks, BLOCK, 1, KV_HEADS, HEAD_DIM, torch.bfloat16, "cpu")
+        pool = Fp8KVPool(num_blocks, BLOCK, 1, KV_HEADS, HEAD_DIM, dtype, "cpu")
         (k, v), scales = pool.layer_caches(0), pool.layer_scales(0)
     else:
         shape = (batch * blocks_per_seq, BLOCK, KV_HEADS, HEAD_DIM)
-        k, v = (torch.zeros(shape, dtype=torch.bfloat16) for _ in range(2))
+        k, v = (torch.zeros(shape, dtype=dtype) for _ in range(2))
         scales = {}
     module, name = WRAPPERS[kernel_name]
     kernel, launches = getattr(module, name), []
@@ -90,10 +93,10 @@ def capture_launch(kernel_name: str, kv: str, block_n: int) -> tuple[object, dic
     setattr(module, name, Recorder())
     try:
         if kernel_name == "decode":
-            q = torch.randn(batch, HEADS, HEAD_DIM, dtype=torch.bfloat16)
+            q = torch.randn(batch, HEADS, HEAD_DIM, dtype=dtype)
             module.paged_attention_decode(q, k, v, lens, tables, 0.088, block_n=block_n, **scales)
         else:  # whole prompts of 1,024 tokens
-            q = torch.randn(int(lens.sum()), HEADS, HEAD_DIM, dtype=torch.bfloat16)
+            q = torch.randn(int(lens.sum()), HEADS, HEAD_DIM, dtype=dtype)
             cu_seqlens = torch.arange(batch + 1, dtype=torch.int32) * int(lens[0])
             module.paged_attention_prefill(q, k, v, cu_seqlens, lens, tables, int(lens[0]), 0.088,
                                            block_n=block_n, **scales)  # fmt: skip
@@ -162,7 +165,10 @@ def run(*command) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kernel", choices=sorted(WRAPPERS), default="decode")
-    parser.add_argument("--kv", default="bfloat16,e4m3", help="pools: bfloat16, e4m3 or both")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16",
+                        help="the model's dtype: queries, and the pool's unless e4m3")  # fmt: skip
+    parser.add_argument("--kv", default="auto,e4m3",
+                        help="pools: auto (the model's dtype), e4m3, or both")  # fmt: skip
     parser.add_argument("--block-n", default="64,128", help="keys per tile, comma-separated")
     parser.add_argument("--warps", default="4", help="warps per program, comma-separated")
     parser.add_argument("--stages", default="2", help="pipeline stages, comma-separated")
@@ -174,10 +180,12 @@ def main() -> None:
     sets = itertools.product(args.kv.split(","), *numbers)
     header = None
     for kv, block_n, warps, stages in sets:
-        kernel, values, kwargs = capture_launch(args.kernel, kv, block_n)
+        dtype = getattr(torch, args.dtype)
+        kernel, values, kwargs = capture_launch(args.kernel, kv, block_n, dtype)
         kwargs.update(num_warps=warps, num_stages=stages)
         row = read_binary(compile_for_sm90(kernel, values, kwargs), args.dump)
-        row = {"pool": kv, "keys, warps, stages": f"{block_n}, {warps}, {stages}", **row}
+        pool = args.dtype if kv == "auto" else kv
+        row = {"pool": pool, "keys, warps, stages": f"{block_n}, {warps}, {stages}", **row}
         if header is None:
             header = list(row)
             print("| " + " | ".join(header) + " |")

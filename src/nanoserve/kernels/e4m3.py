@@ -60,10 +60,10 @@ def e4m3_to_float(codes, DTYPE: tl.constexpr, HARDWARE: tl.constexpr):
     and 10.8 ms converting straight to bfloat16 in hardware (docs/benchmarks.md, "Where a
     decode step's time goes"); the float32 route has not been timed there yet."""
     if HARDWARE:
-        value = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        fp8 = codes.to(tl.float8e4nv, bitcast=True)
         if tl.bfloat16 == DTYPE:
-            return bfloat16_of_float32(value)
-        return value.to(DTYPE)
+            return bfloat16_of_float32(fp8.to(tl.float32))
+        return fp8.to(DTYPE)  # float16: one instruction a pair of codes
     return e4m3_value(codes).to(DTYPE)
 
 
