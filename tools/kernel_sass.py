@@ -20,8 +20,9 @@ memory, the shared memory, and how many instructions of each kind the kernel hol
 
 It counts instructions in the binary, not instructions executed: each loop's body appears once
 (prefill has two: the diagonal's masked tiles, then the full ones), so the counts
-compare variants of one kernel, they are not times. Launch arguments are those of a
-batch of Qwen3-0.6B decode steps (16 query heads, 8 KV heads, 128 wide, blocks of 16 tokens).
+compare variants of one kernel, they are not times. Launch arguments are those of
+Qwen3-0.6B's heads (16 query, 8 KV, 128 wide), blocks of 16 tokens, contexts of 1,024: decode
+steps, or whole prompts with `--kernel prefill`.
 A measuring tool for docs/benchmarks.md, never a test; the Triton version matters (printed).
 """
 
