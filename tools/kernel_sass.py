@@ -125,6 +125,9 @@ def compile_for_sm90(kernel, values: dict, kwargs: dict):
             attrs[(index,)] = [["tt.divisibility", 16]]  # torch's allocations are aligned
         elif isinstance(value, float):
             signature[name] = "fp32"
+        elif value == 1 and not param.do_not_specialize:  # the launcher folds a 1 in
+            signature[name] = "constexpr"
+            constexprs[(index,)] = 1
         else:
             signature[name] = "i32"
             if value % 16 == 0 and not param.do_not_specialize:
@@ -146,7 +149,7 @@ def read_binary(compiled, dump: pathlib.Path | None) -> dict:
             dump.with_suffix(f".{kind}").write_text(compiled.asm[kind])
         dump.with_suffix(".sass").write_text(sass)
     opcodes = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
-    counts = collections.Counter(op for op in opcodes)
+    counts = collections.Counter(opcodes)
     row = {"registers": int(re.search(r"REG:(\d+)", usage)[1]),
            "stack bytes": int(re.search(r"STACK:(\d+)", usage)[1]),
            "shared KiB": compiled.metadata.shared / 1024,
@@ -177,11 +180,16 @@ def main() -> None:
     args = parser.parse_args()
     print(f"Triton {triton.__version__}, target sm_90; paged {args.kernel}, {HEADS} query heads, "
           f"{KV_HEADS} KV heads, {HEAD_DIM} wide, blocks of {BLOCK}\n")  # fmt: skip
-    numbers = (list(map(int, a.split(","))) for a in (args.block_n, args.warps, args.stages))
-    sets = itertools.product(args.kv.split(","), *numbers)
+    pools = args.kv.split(",")
+    if not set(pools) <= {"auto", "e4m3"}:
+        parser.error(f"argument --kv: expected auto, e4m3 or both, got {args.kv!r}")
+    try:
+        numbers = [list(map(int, a.split(","))) for a in (args.block_n, args.warps, args.stages)]
+    except ValueError:
+        parser.error("arguments --block-n, --warps, --stages: comma-separated integers")
+    dtype = getattr(torch, args.dtype)
     header = None
-    for kv, block_n, warps, stages in sets:
-        dtype = getattr(torch, args.dtype)
+    for kv, block_n, warps, stages in itertools.product(pools, *numbers):
         kernel, values, kwargs = capture_launch(args.kernel, kv, block_n, dtype)
         kwargs.update(num_warps=warps, num_stages=stages)
         row = read_binary(compile_for_sm90(kernel, values, kwargs), args.dump)
