@@ -204,9 +204,9 @@ def test_verify_steps_captured_whole_give_the_tokens_of_verify_steps_launched_on
     assert {1, 3} <= {n for n, _ in shapes}, "three sequences at once, and the last alone"
 
 
-def test_a_verify_step_replays_its_buckets_shape_fixed_from_the_policy():
-    # the host half of StepGraphs.run_verify: one shape per bucket, planned from the policy's
-    # guesses by batch size (capture stubbed: no GPU); which graph a step replays (none: op by op)
+def step_graphs_of_16_rows(captured: list):
+    """StepGraphs over buckets 1..16 on the CPU, its verify captures recorded in `captured`
+    instead of run (no GPU): the host half of `StepGraphs.run_verify`."""
     from types import SimpleNamespace
 
     import torch
@@ -214,14 +214,22 @@ def test_a_verify_step_replays_its_buckets_shape_fixed_from_the_policy():
     from nanoserve.engine.runner.cuda_graphs import graph_buckets
     from nanoserve.engine.runner.device_batch import DeviceBatch
     from nanoserve.engine.runner.step_graphs import StepGraphs
-    from nanoserve.engine.runner.verify_step import AheadShape
 
     state = DeviceBatch(capacity=16, table_width=4, block_size=4, device="cpu")
     decode = SimpleNamespace(buckets=graph_buckets(16), pool=None, static=None)
-    assert decode.buckets == [1, 2, 4, 8, 16]
     steps = StepGraphs(torch.nn.Identity(), decode, state)
-    captured: list = []
     steps._capture_verify = lambda key, rule: captured.append(key)
+    return steps
+
+
+def test_a_verify_step_replays_its_buckets_shape_fixed_from_the_policy():
+    # one shape per bucket, planned from the policy's guesses by batch size; which graph a
+    # step replays (none: op by op)
+    from nanoserve.engine.runner.verify_step import AheadShape
+
+    captured: list = []
+    steps = step_graphs_of_16_rows(captured)
+    assert steps.decode.buckets == [1, 2, 4, 8, 16]
     policy = {1: 4, 2: 3, 3: 2}  # guesses per sequence by batch size; none past 3
     steps.plan_verify(lambda n: policy.get(n, 0), rule=None)
     assert steps.verify_ks == {1: 4, 2: 3, 4: 2}, "a bucket holds the most its batches take"
@@ -246,23 +254,13 @@ def test_every_verify_step_the_policy_plans_fits_its_buckets_captured_shape():
     # a batch of n sequences guesses at most what the bucket it replays in holds: (largest
     # bucket - bucket) // bucket each (5 sequences replay bucket 8: 8 x 2 rows of 16), so no
     # verify step the policy plans falls back to launching op by op
-    from types import SimpleNamespace
-
-    import torch
-
-    from nanoserve.engine.runner.cuda_graphs import graph_buckets
-    from nanoserve.engine.runner.device_batch import DeviceBatch
-    from nanoserve.engine.runner.step_graphs import StepGraphs
     from nanoserve.engine.speculation.policy import Speculation
 
     policy = Speculation(3, max_model_len=128, graph_rows=16, ahead=True)
     by_size = [policy.guesses_per_sequence(n) for n in range(1, 17)]
     assert by_size == [3, 3, 3, 3, 1, 1, 1, 1] + [0] * 8
     assert Speculation(3, 128, graph_rows=None).guesses_per_sequence(12) == 3, "eager: no cap"
-    state = DeviceBatch(capacity=16, table_width=4, block_size=4, device="cpu")
-    decode = SimpleNamespace(buckets=graph_buckets(16), pool=None, static=None)
-    steps = StepGraphs(torch.nn.Identity(), decode, state)
-    steps._capture_verify = lambda key, rule: None
+    steps = step_graphs_of_16_rows([])
     steps.plan_verify(policy.guesses_per_sequence, rule=None)
     for n, k in enumerate(by_size, start=1):
         if k:
