@@ -10,7 +10,7 @@ Every task runs on a CPU.
 
       e     = smallest integer with 3.1 <= 448 * 2**e    -> 3.1 / 448 = 0.0069 -> e = -7
       x 1.3 -> 1.3 * 2**7 = 166.4 -> nearest e4m3: 160 (1.25 * 2**7), code 0x72 -> 1.25
-      x 3.1 -> 396.8 -> 384 (1.5 * 2**8), code 0x7C -> 3.0
+      x 3.1 -> 396.8 -> 384 (1.5 * 2**8), code 0x7C -> 3.0;  x -3.1: the sign bit, code 0xFC
 
     one step's writes, block_size 4, slot_mapping [5, 6, 7, 8, -1, 12, 13] (slot -1: padding)
 
@@ -56,8 +56,10 @@ def quantize(x: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:
     x / 2**e rounded to the nearest e4m3 value, ties to even (what torch's
     `.to(torch.float8_e4m3fn)` does), then the code's bits (`.view(torch.uint8)`).
 
-    Clamp to +-448 first: torch turns a value past e4m3's range into NaN (code 0x7F), and a
-    caller may pass an exponent smaller than the values need.
+    Clamp to +-448 first: a caller may pass an exponent smaller than the values need, and what a
+    cast makes of a value past e4m3's range depends on the library (torch 2.13 saturates it to
+    448, code 0x7E; NumPy's ml_dtypes gives NaN, 0x7F, past 464). With the clamp it is 448 on
+    every one. x / 2**e is exact in float32 or float64 alike (a power of two): either will do.
 
         x 1.3 at e -7 -> code 0x72 (1.25);  x -3.1 at e -7 -> code 0xFC (-3.0)
     """
@@ -66,7 +68,8 @@ def quantize(x: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:
 
 def dequantize(codes: torch.Tensor, exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The values codes (..., H, D) stand for at scale 2**exponent (H,), in dtype: the e4m3
-    value of each code times 2**exponent[h]. Exact: a power of two only moves the exponent."""
+    value of each code times 2**exponent[h]. Exact: a power of two only moves the exponent.
+    (Task 3's gather can call it once per block, with that block's scales[block], (H,).)"""
     raise NotImplementedError("task 1: dequantize")
 
 
@@ -102,7 +105,9 @@ def store_kvcache_fp8(k, v, k_cache, v_cache, slot_mapping, *, k_scales, v_scale
     int32 in place. Returns nothing.
 
     Write run by run (`runs(slot_mapping, block_size)`): one write_run per run for K (with
-    k_scales[block]) and one for V (with v_scales[block]).
+    k_scales[block]) and one for V (with v_scales[block]). Not one per token: a token written
+    alone and requantized when the next one grows the exponent is rounded twice, and can land a
+    step away from the once-rounded code the GPU's store kernel writes.
 
         block_size 4, slot_mapping [5, 6, 7, 8, -1, 12, 13]:
         runs (0, 3, 1, 1), (3, 4, 2, 0), (5, 7, 3, 0)  ->  write_run(k[0:3], k_cache[1],

@@ -30,6 +30,23 @@ MUTANTS = (
         ("(bits & 0x7FFFFF) > 0x600000", "(bits & 0x7FFFFF) >= 0x600000"),
     ),
     mutant(
+        "log2_in_float32",
+        "e = ceil(log2(amax / 448)) in float32: one float32 step above 448 * 2**k, log2 rounds to "
+        "exactly k and the amax does not fit",
+        "scale_exponent",
+        (
+            "torch.clamp(exponent - 8 + above, min=SMALLEST_EXPONENT)",
+            "torch.clamp(torch.ceil(torch.log2(amax.float() / E4M3_MAX)).to(torch.int32), "
+            "min=SMALLEST_EXPONENT)",
+        ),
+    ),
+    mutant(
+        "clamped_at_e4m3fnuzs_240",
+        "the clamp at 240, the largest value of e4m3fnuz (the variant without -0), not 448",
+        "quantize",
+        (CAST, "scaled.clamp(-240.0, 240.0).to(torch.float8_e4m3fn)"),
+    ),
+    mutant(
         "truncated_not_rounded",
         "the mantissa is cut to 3 bits (toward zero) instead of rounded to nearest, ties to even",
         "quantize",
@@ -46,9 +63,14 @@ MUTANTS = (
         "write_run",
         (AMAX, "scale_exponent(rows.float().abs().amax().repeat(rows.shape[1]))"),
     ),
+    # A forgotten clamp alone is not a mutant here: with the right exponent nothing passes 448,
+    # and torch 2.13's cast (CI's) saturates anything that does to 448 as the clamp would, so no
+    # test can tell them apart on it. test_task_1_a_value_past_the_range_clamps_to_448_never_nan
+    # holds the contract where a cast makes NaN instead (NumPy's ml_dtypes, past 464).
     mutant(
         "floor_exponent_and_no_clamp",
-        "the exponent rounded down and the codes cast without a clamp: values above 448 -> NaN",
+        "the exponent rounded down and the codes cast without a clamp: the amax does not fit "
+        "(torch 2.13 saturates it to 448; a cast that does not, to NaN)",
         "write_run",
         (AMAX, f"{AMAX} - 1"),
         (
@@ -57,6 +79,12 @@ MUTANTS = (
             "(rows.float() * power_of_two(-new)[:, None])"
             ".to(torch.float8_e4m3fn).view(torch.uint8)",
         ),
+    ),
+    mutant(
+        "amax_of_the_last_row",
+        "the amax of the run's last row only, as if every token were larger than the one before",
+        "write_run",
+        (AMAX, "scale_exponent(rows[-1:].float().abs().amax(dim=(0, 2)))"),
     ),
     mutant(
         "stale_exponent_at_offset_0",
@@ -88,6 +116,17 @@ MUTANTS = (
         (
             "write_run(v[start:end], v_cache[block], v_scales[block], offset)",
             "write_run(v[start:end], v_cache[block], k_scales[block], offset)",
+        ),
+    ),
+    mutant(
+        "one_write_per_token",
+        "write_run once per token, not once per run: a token coded alone is requantized (rounded "
+        "twice) when the next token grows the exponent",
+        "store_kvcache_fp8",
+        (
+            "runs(slot_mapping, block_size)",
+            "[(t, t + 1, b, o + t - s) for s, e, b, o in runs(slot_mapping, block_size) "
+            "for t in range(s, e)]",
         ),
     ),
     mutant(
