@@ -60,6 +60,19 @@ class Mutant:
         return locate(self.stage, self.host or self.target)[0]
 
 
+def maker(stage: int, within: str | None = None):
+    """The `mutant(name, bug, target, *edits, host=None)` a stage's file builds its list with;
+    `within`, a class whose methods the targets name (maker(2, "BlockAllocator"): target "free"
+    is BlockAllocator.free, "" the class itself)."""
+
+    def mutant(name: str, bug: str, target: str, *edits: tuple[str, str], host=None) -> Mutant:
+        if within is not None:
+            target = f"{within}.{target}" if target else within
+        return Mutant(stage, name, bug, target, edits, host)
+
+    return mutant
+
+
 @functools.cache
 def reference_source(module: str) -> str:
     """The text of a reference module, found without importing it."""

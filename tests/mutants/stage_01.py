@@ -3,13 +3,12 @@ load_slab), one realistic learner bug each."""
 
 from __future__ import annotations
 
-from tests.mutants import Mutant
+from tests.mutants import maker
 
 STORE = "cache[slab_id, start : start + values.shape[0]] = values"
 
 
-def mutant(name: str, bug: str, target: str, *edits: tuple[str, str]) -> Mutant:
-    return Mutant(1, name, bug, target, edits)
+mutant = maker(1)
 
 
 MUTANTS = (

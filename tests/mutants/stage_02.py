@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.mutants import Mutant
+from tests.mutants import maker
 
 FREE_LOOP = """
 for block_id in block_ids:
@@ -11,8 +11,7 @@ for block_id in block_ids:
 """
 
 
-def mutant(name: str, bug: str, method: str, *edits: tuple[str, str]) -> Mutant:
-    return Mutant(2, name, bug, f"BlockAllocator.{method}" if method else "BlockAllocator", edits)
+mutant = maker(2, "BlockAllocator")
 
 
 MUTANTS = (

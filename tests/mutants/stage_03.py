@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from tests.mutants import Mutant
+from tests.mutants import maker
 
 GROW = "self.block_ids.extend(self.allocator.allocate(num_missing))"
 
 
-def mutant(name: str, bug: str, method: str, *edits: tuple[str, str]) -> Mutant:
-    return Mutant(3, name, bug, f"BlockTable.{method}", edits)
+mutant = maker(3, "BlockTable")
 
 
 MUTANTS = (

@@ -3,7 +3,7 @@ gather_kv) and the step tensors (prepare_prefill and its helpers), one learner b
 
 from __future__ import annotations
 
-from tests.mutants import Mutant
+from tests.mutants import maker
 
 STORE_K = "k_cache.view(num_slots, *k_cache.shape[2:])[slots] = k[keep]"
 STORE_V = "v_cache.view(num_slots, *v_cache.shape[2:])[slots] = v[keep]"
@@ -11,8 +11,7 @@ FREED = "[b for b in block_ids if self.ref_counts[b] == 0]"
 PREFILL = "pack_step(seqs, [s.block_table for s in seqs], block_size, device, is_prefill=True)"
 
 
-def mutant(name: str, bug: str, target: str, *edits: tuple[str, str]) -> Mutant:
-    return Mutant(4, name, bug, target, edits)
+mutant = maker(4)
 
 
 MUTANTS = (

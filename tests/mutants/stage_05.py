@@ -3,15 +3,14 @@ each. Every one must change some byte of the pool that stage 04's torch scatter 
 
 from __future__ import annotations
 
-from tests.mutants import Mutant
+from tests.mutants import maker
 
 KERNEL = "_store_kvcache_kernel"  # the launch's kernel, beside store_kvcache
 K_STORE = "tl.store(k_cache_ptr + slot * ROW_SIZE + offs, key, mask)"
 V_STORE = "tl.store(v_cache_ptr + slot * ROW_SIZE + offs, value, mask)"
 
 
-def mutant(name: str, bug: str, target: str, *edits: tuple[str, str]) -> Mutant:
-    return Mutant(5, name, bug, target, edits)
+mutant = maker(5)
 
 
 MUTANTS = (

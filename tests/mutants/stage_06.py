@@ -7,15 +7,14 @@ a mutant of one kernel's file (its `host`) holding a buggy copy of that helper."
 
 from __future__ import annotations
 
-from tests.mutants import Mutant
+from tests.mutants import maker
 
 PREFILL, DECODE = "_prefill_kernel", "_decode_partition_kernel"  # beside their launches
 REDUCE = "_decode_reduce_kernel"
 TABLE_LOAD = "tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=in_context, other=0)"
 
 
-def mutant(name: str, bug: str, target: str, *edits: tuple[str, str], host=None) -> Mutant:
-    return Mutant(6, name, bug, target, edits, host)
+mutant = maker(6)
 
 
 MUTANTS = (

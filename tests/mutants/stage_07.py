@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-from tests.mutants import Mutant
+from tests.mutants import maker
 
 FORGET_FRESH = "for block_id in fresh:\n    self._forget(block_id)"
 
 
-def mutant(name: str, bug: str, target: str, *edits: tuple[str, str]) -> Mutant:
-    return Mutant(7, name, bug, target, edits)
+mutant = maker(7)
 
 
 MUTANTS = (

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from tests.mutants import Mutant
+from tests.mutants import maker
 
 BUCKETS = """
 buckets = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
@@ -19,8 +19,7 @@ for name in ("cu_seqlens_k", "slot_mapping", "context_lens", "block_tables"):
 SMALLEST = "next((b for b in buckets if b >= batch_size), None)"
 
 
-def mutant(name: str, bug: str, target: str, *edits: tuple[str, str]) -> Mutant:
-    return Mutant(8, name, bug, target, edits)
+mutant = maker(8)
 
 
 MUTANTS = (

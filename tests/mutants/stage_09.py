@@ -4,11 +4,9 @@ each."""
 
 from __future__ import annotations
 
-from tests.mutants import Mutant
+from tests.mutants import maker
 
-
-def mutant(name: str, bug: str, target: str, *edits: tuple[str, str]) -> Mutant:
-    return Mutant(9, name, bug, target, edits)
+mutant = maker(9)
 
 
 MUTANTS = (

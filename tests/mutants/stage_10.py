@@ -3,15 +3,14 @@ turn's order, the handoff between threads, and the caller's generator."""
 
 from __future__ import annotations
 
-from tests.mutants import Mutant
+from tests.mutants import maker
 
 APPLY = "for command in commands:\n    deliveries += self.apply(command)"
 STEP = "if self.engine.has_unfinished():\n    self.engine.step()"
 DELTA = "TokenDelta(new_token_ids, seq.finish_reason)"
 
 
-def mutant(name: str, bug: str, method: str, *edits: tuple[str, str]) -> Mutant:
-    return Mutant(10, name, bug, f"AsyncEngine.{method}", edits)
+mutant = maker(10, "AsyncEngine")
 
 
 MUTANTS = (

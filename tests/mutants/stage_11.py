@@ -4,7 +4,7 @@ Scheduler's), one learner bug each."""
 
 from __future__ import annotations
 
-from tests.mutants import Mutant
+from tests.mutants import maker
 
 NEW_ROW = """
 row = self.rows[seq.seq_id] = self.free_rows.pop()
@@ -40,8 +40,7 @@ for token_id in gained:
 """
 
 
-def mutant(name: str, bug: str, target: str, *edits: tuple[str, str]) -> Mutant:
-    return Mutant(11, name, bug, target, edits)
+mutant = maker(11)
 
 
 MUTANTS = (

@@ -4,7 +4,7 @@ the verify step, land and settle_guesses after it), one learner bug each."""
 
 from __future__ import annotations
 
-from tests.mutants import Mutant
+from tests.mutants import maker
 from tests.mutants.stage_11 import FINISH as FINISHED  # land's finish, stage 11's text
 
 RESERVE = "return self.room.reserve(seq, len(seq) + budget) - len(seq)"
@@ -21,8 +21,7 @@ KEEP_IN_FLIGHT = "self.give_back(seq, len(seq) + later[seq])"
 LATER = "later = dict(zip(in_flight.seqs, in_flight.guesses or [0] * len(in_flight.seqs)))"
 
 
-def mutant(name: str, bug: str, target: str, *edits: tuple[str, str]) -> Mutant:
-    return Mutant(12, name, bug, target, edits)
+mutant = maker(12)
 
 
 MUTANTS = (

@@ -4,15 +4,14 @@
 
 from __future__ import annotations
 
-from tests.mutants import Mutant
+from tests.mutants import maker
 
 AMAX = "scale_exponent(rows.float().abs().amax(dim=(0, 2)))"
 WRITE = "block[offset : offset + rows.shape[0]] = quantize(rows, new)"
 CAST = "scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)"
 
 
-def mutant(name: str, bug: str, target: str, *edits: tuple[str, str], host=None) -> Mutant:
-    return Mutant(13, name, bug, target, edits, host)
+mutant = maker(13)
 
 
 MUTANTS = (
