@@ -43,7 +43,10 @@ class PersistentBatch(DeviceBatch):
     def __init__(self, capacity: int, table_width: int, block_size: int, device):
         super().__init__(capacity, table_width, block_size, device)
         # your bookkeeping: which request holds which row, which rows are free, and how many
-        # table entries each row's device copy holds (the tensors are DeviceBatch's)
+        # table entries each row's device copy holds (the tensors are DeviceBatch's). Two names
+        # are read from outside, so keep them: `self.rows`, a dict seq_id -> row, and
+        # `self.num_sent`, a list with one count per row (stage 12's runner lowers a count when
+        # the scheduler cuts a table: `OverlapRunner.forget_trimmed`).
 
     # ---- task 1: rows ----
 
@@ -53,7 +56,8 @@ class PersistentBatch(DeviceBatch):
         A request seen for the first time takes a free row (no two running requests share one)
         and writes its sampling parameters there with `self.write_params(row, seq.params)`; its
         row's device table is empty as far as you know. With no free row (more requests run than
-        the capacity), `self.grow(...)` to twice the capacity first.
+        the capacity), `self.grow(...)` to twice the capacity first: the rows it adds are free,
+        and each needs its count of sent entries too.
         """
         raise NotImplementedError("task 1: PersistentBatch.row_of")
 
@@ -109,8 +113,9 @@ class OverlapScheduler(Scheduler):
 
         Skip a seq whose list is empty, and a finished one (the step after its end: its token is
         discarded). Otherwise its owed token lands: `seq.num_pending -= 1`, then append the
-        tokens in order (`seq.append_token`), stopping at the first one for which
-        `finish_reason(seq, token_id, self.eos_ids, self.config.max_model_len)` is not None.
+        tokens in order (`seq.append_token`), up to and including the first one for which
+        `finish_reason(seq, token_id, self.eos_ids, self.config.max_model_len)` is not None
+        (append, then ask: it counts max_tokens from the tokens appended).
         (Stage 12 lands several tokens per seq: the guesses the model kept, then one it drew.
         If none of them finishes seq, the kept guesses' K/V is stored: num_cached_tokens grows
         by len(tokens) - 1, and a prefix-caching manager hashes seq's blocks. With one token

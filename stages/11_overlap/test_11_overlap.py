@@ -189,13 +189,17 @@ def test_task_3_commit_stores_the_step_and_counts_one_owed_token_per_sampled_seq
     assert plan.is_prefill and plan.seqs == [whole, chunk] and chunk.num_scheduled_tokens == 4
     scheduler.commit(plan, (0,))  # the chunk does not end its prompt: it samples nothing
     assert (whole.num_cached_tokens, whole.num_scheduled_tokens, whole.num_pending) == (6, 0, 1)
-    assert (chunk.num_cached_tokens, chunk.num_scheduled_tokens, chunk.num_pending) == (4, 0, 0)
+    assert (chunk.num_cached_tokens, chunk.num_scheduled_tokens, chunk.num_pending) == (4, 0, 0), (
+        "the chunk (4 of its 10 tokens): (num_cached_tokens, num_scheduled_tokens, num_pending) "
+        "should be (4, 0, 0): its K/V is stored, but a chunk that does not end its prompt samples "
+        "nothing, so it owes no token (its index is not in `sampled`)"
+    )
     assert len(whole) == 7 and whole.token_ids == list(range(1, 7)), (
         "an owed token counts in len(seq) but is not in token_ids until it lands"
     )
-    decode = scheduler.schedule()  # the chunk's remaining 6 tokens, a prefill step
-    assert decode.seqs == [chunk] and chunk.num_scheduled_tokens == 6
-    scheduler.commit(decode, (0,))
+    rest = scheduler.schedule()  # the chunk's remaining 6 tokens: a prefill step again
+    assert rest.seqs == [chunk] and chunk.num_scheduled_tokens == 6
+    scheduler.commit(rest, (0,))
     assert (chunk.num_cached_tokens, chunk.num_pending, len(chunk)) == (10, 1, 11)
 
 
@@ -260,6 +264,20 @@ def test_task_4_land_appends_the_owed_tokens_and_frees_a_finished_sequence(impl)
     assert b not in scheduler.running and released == [b], "a finished sequence frees its row"
     assert manager.num_free_blocks == free_before - len(a.block_table), "b's blocks not freed"
     assert scheduler.running == type(scheduler.running)([a])
+
+
+def test_task_4_the_sequences_that_finish_come_back_in_the_plans_order(impl):
+    seqs = [seq_of(3 + i, max_tokens=m, ignore_eos=True) for i, m in enumerate((1, 2, 1, 1))]
+    scheduler, _, _ = scheduler_with(impl, seqs)
+    plan = scheduler.schedule()
+    reference_commit(scheduler, plan, (0, 1, 2, 3))
+    finished = scheduler.land(Landed(plan, [[7], [8], [9], [10]]))
+    order = {id(seq): i for i, seq in enumerate(plan.seqs)}
+    want = [seq for seq in plan.seqs if seq.params.max_tokens == 1]
+    assert finished == want, (
+        f"four sequences land, three finish (max_tokens 1): land returns them in the order of "
+        f"plan.seqs, {[order[id(s)] for s in want]}; got {[order.get(id(s)) for s in finished]}"
+    )
 
 
 def test_task_4_a_prefill_chunk_gains_nothing_when_its_step_lands(impl):

@@ -152,6 +152,12 @@ MUTANTS = (
     ),
     # ---- land ----
     mutant(
+        "finished_in_reverse",
+        "the finished sequences come back last first (each put at the front of the list)",
+        "OverlapScheduler.land",
+        ("finished.append(seq)", "finished.insert(0, seq)"),
+    ),
+    mutant(
         "pending_not_landed",
         "land appends the owed token but never stops owing it: len(seq) counts it twice",
         "OverlapScheduler.land",
