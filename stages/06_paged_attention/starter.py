@@ -134,7 +134,8 @@ def paged_attention_prefill(
 
     Hints: grid (B, H, triton.cdiv(max_seqlen_q, BLOCK_M)); tiles of 32 rows/keys (16 at least:
     tl.dot's smallest); BLOCK_D = max(16, triton.next_power_of_2(D)); qk_scale = scale * LOG2E;
-    ACC_DTYPE tl.float64 for float64 inputs, else tl.float32.
+    ACC_DTYPE: pass tl.float64 (a constexpr, straight from Python) for float64 inputs, else
+    tl.float32.
     """
     raise NotImplementedError("task 1: paged_attention_prefill")
 
@@ -178,7 +179,10 @@ def _decode_partition_kernel(
     next partition or context_len; a partition past the context returns at once, except
     partition 0, which must still write (a padding row's output is 0, never NaN).
     Task 3 (SPLIT false, one partition): write acc / l_i (0 where l_i is 0) to out.
-    Task 4 (SPLIT): write m_i, l_i and acc, unnormalised, at [b, head, p] of the partial buffers.
+    Task 4 (SPLIT): write m_i, l_i and acc, unnormalised, at [b, head, p] of the partial buffers,
+    where head = g * GROUP + row runs over all H = GROUP * NUM_KV_HEADS query heads. The tile
+    loader's context_len is where this partition's keys end (the smaller of the partition's end
+    and context_len): positions past it are masked.
     """
     pass  # tasks 3-4
 

@@ -214,8 +214,10 @@ def not_finite_message(rows: list[tuple[int, int]], bad: list[int], rerun) -> st
             "every element of `out` written. The arithmetic makes it: exp of scores whose row "
             "max was not subtracted first (float32 exp overflows past 88, exp2 past 128: keep a "
             "running max), a softmax divided by a zero sum (a row or partition that saw no "
-            "key), or a reduce that read partial results no program wrote (every torch.empty "
-            "of your wrapper comes back full of NaN here). On a GPU, also a load outside the "
+            "key: in prefill, a causal mask that hides a row's own key, < where <= belongs, "
+            "leaves the first row none), or a reduce that read partial results no program "
+            "wrote (every torch.empty of your wrapper comes back full of NaN here). On a GPU, "
+            "also a load outside the "
             "pool (a -1 table entry taken as a block id addresses memory before its start)"
         )
     return "the output holds NaN or inf for " + ". And for ".join(causes)
