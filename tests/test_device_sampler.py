@@ -118,15 +118,17 @@ def test_the_triton_kernel_draws_the_torch_expressions_tokens():
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on a CPU
     gen = torch.Generator().manual_seed(3)
-    for vocab_size in (300, 5000):
+    # smaller tiles split each row into spans of two tiles: 300 logits in tiles of 16 make 10
+    # spans of 32, the last of 12; 5,000 in tiles of 256 make 10 spans of 512, the last of 392
+    # (one whole tile and a ragged one). The interpreter runs one program per row and span.
+    for vocab_size, block in ((300, 16), (5000, 256)):
         logits = (torch.randn(16, vocab_size, generator=gen) * 3).to(device)
         temperature = torch.tensor([0.0, 1.0, 0.6, 1e-3] * 4, device=device)
         seeds = torch.randint(-(2**62), 2**62, (16,), generator=gen).to(device)
         keys = row_keys(seeds, torch.arange(16, device=device) * 7)
         want = gumbel_argmax(logits, temperature, keys)
-        assert fused(logits, temperature, keys).tolist() == want.tolist()
-        # tiles of 16 split each row into spans of 32 (10 and 157 of them): the same tokens
-        assert fused(logits, temperature, keys, block=16).tolist() == want.tolist()
+        assert fused(logits, temperature, keys).tolist() == want.tolist()  # one span a row
+        assert fused(logits, temperature, keys, block=block).tolist() == want.tolist()
 
 
 def test_split_rows_break_ties_to_the_first_index_and_survive_rows_of_minus_infinity():
