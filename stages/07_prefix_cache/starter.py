@@ -2,7 +2,10 @@
 
 Fill in each body (the lesson, stages/07_prefix_cache/README.md, walks through them in task
 order) in a copy: `cp stages/07_prefix_cache/starter.py my_prefix.py`, then grade it with
-`pytest stages/07_prefix_cache --impl my_prefix.py`; this file itself must keep failing. Task 6
+`pytest stages/07_prefix_cache --impl my_prefix.py`; this file itself must keep failing. Tasks
+2-4 are graded together (`-k "task_2 or task_3 or task_4"`): admission can only find blocks that
+hash_blocks indexed, and the seed's decode needs may_append; a NotImplementedError names the
+method a test reached first. Task 6
 plugs your manager into the reference engine (`LLM(stage=7, components=...)`) and demands stage
 06's tokens while it computes fewer prompt tokens, with and without preemption.
 
@@ -84,7 +87,9 @@ class PrefixBlockManager(BlockManager):
         Keep hash_fn and use it for every key: the tests pass a deliberately weak one (every
         block the same key, say), and your manager must still never serve a wrong block.
         Hint: hash_to_block_id (key -> block id) and, per hashed block, what it holds: its key,
-        its tokens, and which block (and which filling of it) came before it.
+        its tokens, and which block (and which filling of it) came before it; and, per
+        sequence, how far hash_blocks has got (how many of its blocks are indexed: after a cache
+        hit, the hit blocks are).
         """
         raise NotImplementedError("task 2: PrefixBlockManager.__init__")
 
@@ -123,6 +128,10 @@ class PrefixBlockManager(BlockManager):
         A's prefill (11 tokens) blocks 0 and 1, not the partial block 2; after A's decode of
         token 99 (num_cached_tokens 12) block 2 too, as [31, 32, 33, 99]. A prefill in chunks
         calls it after every chunk. Key of block i: hash_fn(key of block i - 1, its tokens).
+
+        A key already in the index (two sequences filled the same content in one step): the
+        block indexed first stays the one found; record what the other holds anyway, since the
+        next block of its sequence names it as its parent.
         """
         raise NotImplementedError("task 3: PrefixBlockManager.hash_blocks")
 

@@ -174,7 +174,11 @@ def assert_served(slots: dict, seq: Sequence) -> None:
         block_id = seq.block_table[p // BS]
         holds = slots.get(block_id * BS + p % BS)
         if holds != tuple(seq.token_ids[: p + 1]):
-            what = "nothing" if holds is None else f"the K/V of {list(holds[-5:])} (last 5)"
+            what = (
+                "nothing"
+                if holds is None
+                else f"the K/V of another prefix, one ending {list(holds[-5:])} (its last 5 tokens)"
+            )
             raise AssertionError(
                 f"wrong K/V served: position {p} (token {seq.token_ids[p]}) of {seq.token_ids} "
                 f"counts as cached in block {block_id}, whose slot holds {what}"
