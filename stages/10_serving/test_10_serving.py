@@ -206,7 +206,7 @@ def test_task_1_aborting_an_unknown_or_finished_request_does_nothing(
     assert out == [], f"a second Abort(0) delivered {described(out)}: aborting twice is once"
 
 
-def test_task_1_an_abort_after_a_request_finished_does_nothing(impl, tiny_llama_folder, idle_loop):
+def test_task_3_an_abort_after_a_request_finished_does_nothing(impl, tiny_llama_folder, idle_loop):
     engine_loop = impl.AsyncEngine(new_llm(tiny_llama_folder).engine)
     engine_loop.apply(Add(RequestStream(0, idle_loop), [1, 2, 3], greedy(2)))
     delivered = []
@@ -531,12 +531,22 @@ async def collect(agen) -> list[TokenDelta]:
     return [delta async for delta in agen]
 
 
+def bounded(main):
+    """asyncio.run(main), failed with a hint rather than a bare TimeoutError after TIMEOUT s."""
+    try:
+        return asyncio.run(asyncio.wait_for(main, TIMEOUT))
+    except (asyncio.TimeoutError, TimeoutError):
+        raise AssertionError(
+            f"a caller still waited for a delta after {TIMEOUT} s: does generate return once it "
+            "has yielded the delta that carries a finish_reason, and does every turn's fan-out "
+            "reach deliver?"
+        ) from None
+
+
 def test_task_5_generate_yields_queued_then_the_offline_tokens(impl, tiny_llama_folder):
     want_ids, want_reason = offline(tiny_llama_folder, PROMPTS[:1], [12])[0]
     with Running(impl, new_llm(tiny_llama_folder)) as engine_loop:
-        got = asyncio.run(
-            asyncio.wait_for(collect(engine_loop.generate(PROMPTS[0], greedy(12))), TIMEOUT)
-        )
+        got = bounded(collect(engine_loop.generate(PROMPTS[0], greedy(12))))
     assert got[0] == TokenDelta([], None), (
         f"generate's first delta is {got[0]}; expected TokenDelta([], None), which says: queued"
     )
@@ -557,7 +567,7 @@ def test_task_5_a_rejected_request_raises_and_the_loop_serves_on(impl, tiny_llam
                 await collect(engine_loop.generate([1, 999], greedy(3)))
             return await collect(engine_loop.generate([1, 2], greedy(3)))
 
-        got = asyncio.run(asyncio.wait_for(main(), TIMEOUT))
+        got = bounded(main())
         num_tokens = sum(len(delta.token_ids) for delta in got)
         assert num_tokens == 3, f"the request after a rejected one got {num_tokens} tokens of 3"
         assert_idle(engine_loop.engine)
@@ -579,13 +589,42 @@ def test_task_5_a_failing_step_reaches_the_caller_as_an_engine_error(impl, tiny_
                 await collect(engine_loop.generate([1, 2, 3], greedy(3)))
 
         try:
-            asyncio.run(asyncio.wait_for(main(), TIMEOUT))
+            bounded(main())
         except AttributeError as err:
             pytest.fail(
                 f"a failing step reached generate's caller as {err!r}: generate must raise every "
                 "Exception the stream carries (the engine's EngineError too), not only ValueError",
                 pytrace=False,
             )
+
+
+def test_task_5_a_request_that_finished_or_was_rejected_is_not_aborted(impl, tiny_llama_folder):
+    with Running(impl, new_llm(tiny_llama_folder)) as engine_loop:
+        aborted, abort = [], engine_loop.abort
+
+        def spy(request_id: int) -> None:
+            aborted.append(request_id)
+            abort(request_id)
+
+        engine_loop.abort = spy
+
+        async def main():
+            await collect(engine_loop.generate(PROMPTS[0], greedy(3)))  # read to its end
+            with pytest.raises(ValueError, match="token id 999"):
+                await collect(engine_loop.generate([1, 999], greedy(3)))
+            agen = engine_loop.generate(PROMPTS[1], greedy(2))
+            async for delta in agen:  # a caller that stops at the delta with a finish reason
+                if delta.finish_reason is not None:
+                    break
+            await agen.aclose()
+
+        bounded(main())
+    assert aborted == [], (
+        f"generate called abort({aborted}) for requests that had ended: one read to its finish "
+        "reason, one rejected, one closed right after its last delta. Only a caller that leaves "
+        "before the finish reason aborts its request (mark the request done before yielding "
+        "its last delta, so closing the generator then does not abort it)"
+    )
 
 
 def test_task_5_closing_the_generator_aborts_the_request_within_one_step(impl, tiny_llama_folder):
@@ -604,7 +643,7 @@ def test_task_5_closing_the_generator_aborts_the_request_within_one_step(impl, t
             await wait_until_idle(engine_loop)
             return calls[2:]
 
-        later_steps = asyncio.run(asyncio.wait_for(main(), TIMEOUT))
+        later_steps = bounded(main())
         assert sum(bool(running) for running in later_steps) <= 1, (
             f"{len(later_steps)} steps ran the request after the caller left: abort it"
         )
@@ -635,7 +674,7 @@ def test_task_5_a_cancelled_caller_aborts_its_request(impl, tiny_llama_folder):
             await wait_until_idle(engine_loop)
             return received
 
-        received = asyncio.run(asyncio.wait_for(main(), TIMEOUT))
+        received = bounded(main())
         num_tokens = sum(len(delta.token_ids) for delta in received)
         num_steps = engine_loop.engine.num_steps
         assert num_tokens < 40, (
@@ -682,7 +721,7 @@ def test_task_6_64_callers_a_quarter_hanging_up_get_their_tokens_and_leave_nothi
             await wait_until_idle(engine_loop)
             return got
 
-        got = asyncio.run(asyncio.wait_for(main(), TIMEOUT))
+        got = bounded(main())
         for i, (ids, (want_ids, _)) in enumerate(zip(got, want)):
             expected = want_ids[: len(ids)] if i in quitters else want_ids
             who = f"caller {i}" + (" (it hung up)" if i in quitters else "")

@@ -127,6 +127,16 @@ MUTANTS = (
         ("if not finished:\n    self.abort(stream.request_id)", "pass"),
     ),
     mutant(
+        "done_marked_after_the_yield",
+        "the request is marked done after its last delta is yielded: a caller that closes the "
+        "generator on that delta aborts a request that has already finished",
+        "generate",
+        (
+            "finished = item.finish_reason is not None\nyield item",
+            "yield item\nfinished = item.finish_reason is not None",
+        ),
+    ),
+    mutant(
         "rejection_swallowed",
         "a rejected request's error is yielded as if it were a delta",
         "generate",
