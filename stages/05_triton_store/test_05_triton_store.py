@@ -5,7 +5,8 @@ Run against any implementation with `pytest stages/05_triton_store --impl ref|st
 Without a GPU the kernel runs through Triton's interpreter (the repository's conftest.py sets
 TRITON_INTERPRET=1). Tasks 1 to 4 fill a two-layer pool with random values, write layer 1 with
 your store and with stage 04's scatter on identical copies and compare every byte of both pools,
-so a write to the wrong slot, a lane past the row or a padding row's write shows up. Task 5
+so a write to the wrong slot, a lane past the row or a padding row's write shows up; under the
+interpreter every load and store lane must also fall inside a tensor the kernel was given. Task 5
 plugs your function into the reference engine
 (`LLM(stage=5, attention_backend="triton", components=...)`).
 """
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.kernel_memory import watch_memory
 from nanoserve.kernels.torch_paged import (
     store_kvcache as torch_store,  # stage 04's scatter: the oracle
 )
@@ -38,8 +40,12 @@ def assert_same_bytes(got: torch.Tensor, want: torch.Tensor) -> None:
         got_bytes = got[kv, layer].flatten(0, 1).view(torch.uint8).flatten(1)
         want_bytes = want[kv, layer].flatten(0, 1).view(torch.uint8).flatten(1)
         differs = (got_bytes != want_bytes).any(1).nonzero().flatten().tolist()
+        hint = ""
+        if layer == 0 and differs and differs[-1] == got.shape[2] * got.shape[3] - 1:
+            hint = " (layer 0's last slot, just before layer 1's: a slot of -1 used as an address?)"
         assert not differs, (
-            f"{'kv'[kv]}_cache of layer {layer}: slots {differs[:8]} differ from stage 04's scatter"
+            f"{'kv'[kv]}_cache of layer {layer}: slots {differs[:8]} differ from stage 04's "
+            f"scatter{hint}"
         )
 
 
@@ -49,7 +55,19 @@ def check_store(impl, key, value, slot_mapping, num_blocks=6, block_size=4):
     want = random_pool(num_blocks, block_size, key.shape[1], key.shape[2], key.dtype)
     got = want.to(DEVICE, copy=True)  # a copy on a CPU too
     torch_store(key.cpu(), value.cpu(), want[0, 1], want[1, 1], slot_mapping)
-    result = impl.store_kvcache(key, value, got[0, 1], got[1, 1], slot_mapping.to(DEVICE))
+    k_cache, v_cache, slots = got[0, 1], got[1, 1], slot_mapping.to(DEVICE)
+    with watch_memory() as strays:  # under the interpreter: every lane inside some argument
+        result = impl.store_kvcache(key, value, k_cache, v_cache, slots)
+    if strays:
+        args = {"key": key, "value": value, "k_cache": k_cache, "v_cache": v_cache}
+        names = {t.data_ptr(): name for name, t in {**args, "slot_mapping": slots}.items()}
+        raise AssertionError(
+            "your kernel touched memory outside the tensors it was given (the interpreter reads "
+            "and writes it silently; a GPU may fault or corrupt a neighbour): "
+            + "; ".join(s.describe(names) for s in strays)
+            + ". A padding row (slot -1) must return before any store, and every load and store "
+            "of a row needs the mask offs < H_kv * D"
+        )
     assert result is None, "store_kvcache writes into the caches it is given and returns nothing"
     assert_same_bytes(got.cpu(), want)
 
@@ -125,6 +143,15 @@ def test_task_4_strided_views_of_a_fused_qkv_output_are_copied_bit_for_bit(impl,
     key, value = fused_kv(6, 9, 3, 64, dtype)  # SmolLM2's heads: 9 query, 3 KV, D 64
     assert not key.is_contiguous() and key.stride(0) == 15 * 64, "the test's view is not strided"
     check_store(impl, key, value, torch.tensor([5, -1, 0, 13, -1, 7], dtype=slot_dtype))
+
+
+def test_task_4_key_and_value_are_each_read_by_their_own_strides(impl):
+    key, _ = fused_kv(5, 9, 3, 64, torch.float32)  # rows 960 values apart, heads 64 apart
+    gen = torch.Generator().manual_seed(7)
+    padded = torch.randn(5, 3, 72, generator=gen, dtype=torch.float64).to(DEVICE, torch.float32)
+    value = padded[..., :64]  # heads 72 values apart, rows 216: another layout than key's
+    assert (key.stride(), value.stride()) == ((960, 64, 1), (216, 72, 1))
+    check_store(impl, key, value, torch.tensor([3, 8, -1, 0, 17]))
 
 
 # ---- task 5: the engine writes its pool with your kernel ----

@@ -1,5 +1,6 @@
 """Stage 05 mutants: the Triton store kernel and its launch (store_kvcache), one learner bug
-each. Every one must change some byte of the pool that stage 04's torch scatter leaves."""
+each. Every one must change some byte of the pool that stage 04's torch scatter leaves, or touch
+memory outside the tensors the kernel was given (the graded tests watch every lane)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ KERNEL = "_store_kvcache_kernel"  # the launch's kernel, beside store_kvcache
 K_STORE = "tl.store(k_cache_ptr + slot * ROW_SIZE + offs, key, mask)"
 V_STORE = "tl.store(v_cache_ptr + slot * ROW_SIZE + offs, value, mask)"
 
+KEY_LOAD = (
+    "key = tl.load(key_ptr + token * key_stride_t + head * key_stride_h + dim * key_stride_d, mask)"
+)
 
 mutant = maker(5)
 
@@ -48,6 +52,33 @@ MUTANTS = (
             "key_ptr + token * key_stride_t + head * key_stride_h + dim * key_stride_d",
             "key_ptr + token * ROW_SIZE + offs",
         ),
+    ),
+    mutant(
+        "value_read_with_the_keys_strides",
+        "the value is addressed with the key's strides: the same when both are views of one "
+        "fused QKV output, wrong for a value of its own layout",
+        KERNEL,
+        (
+            "value_ptr + token * value_stride_t + head * value_stride_h + dim * value_stride_d",
+            "value_ptr + token * key_stride_t + head * key_stride_h + dim * key_stride_d",
+        ),
+    ),
+    mutant(
+        "heads_assumed_head_dim_apart",
+        "a head's values are taken to start HEAD_DIM after the previous head's (head * HEAD_DIM), "
+        "not at the tensor's head stride",
+        KERNEL,
+        (
+            "value_ptr + token * value_stride_t + head * value_stride_h + dim * value_stride_d",
+            "value_ptr + token * value_stride_t + head * HEAD_DIM + dim * value_stride_d",
+        ),
+    ),
+    mutant(
+        "loads_unmasked",
+        "only the stores are masked: the loads of a 192-wide row read 64 values past it (past "
+        "the tensor's end on the last token)",
+        KERNEL,
+        (KEY_LOAD, KEY_LOAD.replace(", mask)", ")")),
     ),
     mutant(
         "head_and_dim_swapped",
