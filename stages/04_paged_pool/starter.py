@@ -112,6 +112,7 @@ class BlockManager:
 
     def may_append(self, seq: Sequence) -> None:
         """Grow seq's table to cover len(seq) tokens: one new block at a boundary, else nothing.
+        seq.block_table follows (the new id appended): the runner reads slots from it.
 
         Blocks already in seq.block_table never move: their K/V is in the pool.
         """

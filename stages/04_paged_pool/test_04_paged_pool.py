@@ -188,7 +188,7 @@ def test_task_1_can_allocate_counts_every_token_and_changes_nothing(impl):
     preempted.append_token(100)  # not the 3 its 11-token prompt alone would need
     assert not manager.can_allocate(preempted), (
         "can_allocate said yes to a 13-token sequence (4 blocks) with 3 free: count every "
-        "token, not only the prompt's 11"
+        "token, not only the prompt's 11, and round up to whole blocks (ceil(13 / 4) = 4)"
     )
     assert manager.num_free_blocks == 3 and preempted.block_table == [], (
         f"a refused can_allocate changed something: {manager.num_free_blocks} free (3), table "
@@ -208,10 +208,13 @@ def test_task_1_check_fits_refuses_a_request_that_needs_more_blocks_than_exist(i
     manager = impl.BlockManager(8, 4)
     manager.check_fits(32, 32)  # exactly 8 blocks: fits
     manager.check_fits(3, 32)
-    with pytest.raises(ValueError):
-        manager.check_fits(33, 34)  # the prompt alone needs 9 blocks
-    with pytest.raises(ValueError):
-        manager.check_fits(3, 60)  # prompt + max_tokens needs 15
+    for prompt, longest, why in ((33, 34, "the prompt alone"), (3, 60, "prompt + max_tokens")):
+        with pytest.raises(ValueError):
+            manager.check_fits(prompt, longest)
+            pytest.fail(
+                f"check_fits({prompt}, {longest}) on 8 blocks of 4 raised nothing: {why} needs "
+                f"{-(-max(prompt, longest) // 4)} blocks; refuse it with a ValueError"
+            )
     assert manager.num_free_blocks == 8, "check_fits must take no block"
 
 
@@ -407,6 +410,10 @@ def test_task_2_store_skips_padding_slots_marked_minus_one(impl):
     impl.store_kvcache(k, 2 * k, k_cache, v_cache, torch.tensor([-1, 9, -1, -1]))
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         written = cache.flatten(0, 1).abs().sum((1, 2)).nonzero().flatten().tolist()
+        assert written, (
+            f"{name}: nothing was written; write into the cache you are given, in place "
+            "(index_copy_ or an indexed assignment), not into a copy"
+        )
         assert written == [9], (
             f"{name}: slots {written} changed; only slot 9 may (-1 must not wrap to the last slot)"
         )
