@@ -32,7 +32,8 @@ class BlockTable:
         raise NotImplementedError("task 1: BlockTable.__init__")
 
     def append(self, num_new_tokens: int) -> None:
-        """Grow by num_new_tokens, pulling new blocks only once the held ones are full.
+        """Grow by num_new_tokens (0 or more; 0 changes nothing), pulling new blocks only once
+        the held ones are full.
 
         Atomic: if the allocator cannot supply every block needed, its OutOfBlocks propagates and
         `block_ids` and `num_tokens` are exactly as before.
