@@ -300,7 +300,11 @@ def test_a_test_skipped_for_want_of_a_gpu_is_excused_and_reported_apart():
         TestResult("f.py::test_task_2_b", Outcome.SKIPPED_NEEDS_GPU, "needs a CUDA GPU"),
     )
     assert run.is_success
-    assert "needs GPU 1" in check.format_report(run)
+    report = check.format_report(run)
+    assert "needs GPU 1" in report and "not passed" in report
+    assert "OK here" in report and "every graded test passed" not in report, (
+        "a check with a GPU test left unrun must not read as every test passed"
+    )
 
 
 def test_any_other_skip_fails_the_check_and_shows_its_reason():

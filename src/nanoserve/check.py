@@ -179,7 +179,7 @@ def format_report(run: GradedRun) -> str:
     for outcome, label, note in (
         (Outcome.FAILED, "failed", ""),
         (Outcome.SKIPPED, "skipped", "  (a skip is not a pass)"),
-        (Outcome.SKIPPED_NEEDS_GPU, "needs GPU", "  (skipped here for want of a GPU: excused)"),
+        (Outcome.SKIPPED_NEEDS_GPU, "needs GPU", "  (not run: no GPU here; excused, not passed)"),
     ):
         group = run.with_outcome(outcome)
         if group:
@@ -188,7 +188,17 @@ def format_report(run: GradedRun) -> str:
     if not run.results or run.returncode not in (0, 1):
         tail = "\n".join(run.output.strip().splitlines()[-25:])
         lines.append(f"  pytest exited with status {run.returncode}; its last lines:\n{tail}")
-    lines.append("  OK: every graded test passed" if run.is_success else "  NOT PASSED")
+    not_run = len(run.with_outcome(Outcome.SKIPPED_NEEDS_GPU))
+    if not run.is_success:
+        lines.append("  NOT PASSED")
+    elif not_run:
+        lines.append(
+            f"  OK here: every graded test this machine can run passed; {not_run} need a GPU and "
+            f"did not run, so the stage is not done until `nanoserve check {run.stage_number}` "
+            "passes on one"
+        )
+    else:
+        lines.append("  OK: every graded test passed")
     return "\n".join(lines)
 
 

@@ -11,12 +11,13 @@ functions, with a CPU stand-in for each graph. Task 5 captures real CUDA graphs:
       input_ids, positions, slot_mapping, context_lens   (12,)     cu_seqlens_q/k  (13,)
       block_tables                                        (12, 6)
 
-    a decode step of 3 sequences replays the graph of bucket 4 (buckets 1, 2, 4, 8, 12):
+    a decode step of 3 sequences, blocks of 16, replays the graph of bucket 4 (buckets 1, 2,
+    4, 8, 12); each real row's slot is its last position's: block_tables[r][p // 16] * 16 + p % 16
       row            0             1             2           | 3             | 4 .. 11
                      real rows                               | padding       | past the bucket:
       slot_mapping   17            5             40          | -1            | graph 4 never
       context_lens   18            6             41          | 0             | reads them
-      block_tables   [4, 1, 7,..]  [2, 0, -1,..] [3, 9, 8,..]| [-1, -1, ...] |
+      block_tables   [4, 1, -1,..] [0, -1, ..]   [3, 9, 2,..]| [-1, -1, ...] |
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
     whether or not it is a multiple of 16; nothing above it. max_num_seqs 40 gives
     [1, 2, 4, 8, 16, 32, 40], 48 gives [1, 2, 4, 8, 16, 32, 48], 5 gives [1, 2, 4, 5].
 
-    Hint: the powers of two below max_num_seqs, then range(16, max_num_seqs, 16), then
+    Hint: those of 1, 2, 4, 8 below max_num_seqs, then range(16, max_num_seqs, 16), then
     max_num_seqs (nano-vLLM's range(16, max_bs + 1, 16) forgets a max off the 16-grid).
     """
     raise NotImplementedError("task 1: graph_buckets")
@@ -64,7 +65,8 @@ def pad_decode(step: StepInputs, batch_size: int, table_width: int) -> StepInput
     0, slot -1 (the store kernel writes nothing), context length 0 (attention reads nothing),
     a block table of -1s; every table is widened with -1 to table_width. cu_seqlens_q becomes
     0, 1, ..., batch_size (one query token per row); cu_seqlens_k stays at its total over the
-    padding rows. The host copies (`metadata.host`) are left alone: they hold only the real
+    padding rows. Every other field (max_seqlen_q, max_seqlen_k, ...) is kept as it is. The
+    host copies (`metadata.host`) are left alone: they hold only the real
     sequences, so `metadata.num_seqs` still counts those. Every tensor keeps its dtype and
     device. A step with more rows than batch_size, or a wider table than table_width, cannot be
     padded: raise ValueError (cutting it would drop a sequence or part of its history).
