@@ -16,7 +16,8 @@ import torch
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension: x / sqrt(mean(x^2) + eps) * weight.
 
-    x (..., size), weight (size,). Returns the shape and dtype of x.
+    x (..., size), weight (size,) in x's dtype (as in every model here). Returns x's shape and
+    dtype.
     Hints: square and average in float32 (or float64 when x is float64): a bfloat16 sum loses
     too many bits. Cast the normalized x back to x's dtype *before* multiplying by weight, as
     Hugging Face does, so a bfloat16 model rounds the same way.
@@ -99,7 +100,8 @@ def swiglu(
 
 
 def filter_probs(probs: torch.Tensor, top_k: int | None, top_p: float) -> torch.Tensor:
-    """Zero every token outside the top-k, then outside the smallest set whose mass reaches p.
+    """Zero every token outside the top-k (a token tied with the k-th stays), then outside the
+    smallest set whose mass reaches p.
 
     probs (V,) non-negative. top_k None keeps all; top_p 1.0 keeps all. Top-p is measured on
     what top-k left (as if renormalized), and the token that crosses p is kept. Returns (V,):

@@ -236,7 +236,14 @@ def test_task_3_changing_a_future_token_leaves_earlier_outputs_unchanged(impl):
     k2, v2 = k.clone(), v.clone()
     k2[4:], v2[4:] = torch.randn(2, 2, 2, 8, dtype=torch.float64)  # rewrite tokens 4 and 5
     after = impl.attend(q, k2, v2, 8**-0.5)
-    torch.testing.assert_close(after[:4], before[:4])
+    torch.testing.assert_close(
+        after[:4],
+        before[:4],
+        msg=lambda m: (
+            "rewriting the keys and values of tokens 4 and 5 changed the outputs of "
+            f"tokens 0-3: a query sees a key in its future (mask keys past Tk - Tq + i)\n{m}"
+        ),
+    )
     assert not torch.allclose(after[4:], before[4:]), "token 4 must see its own new key"
 
 
@@ -298,6 +305,15 @@ def test_task_5_top_k_keeps_exactly_the_k_most_likely_tokens(impl):
     for top_k, want in [(3, {1, 3, 4}), (1, {1})]:
         got = support_of(impl.filter_probs(probs, top_k, 1.0))
         assert got == want, f"top_k={top_k} kept tokens {sorted(got)}, expected {sorted(want)}"
+
+
+def test_task_5_a_token_tied_with_the_kth_is_kept(impl):
+    got = support_of(impl.filter_probs(torch.tensor([0.4, 0.2, 0.2, 0.2]), 2, 1.0))
+    assert got == {0, 1, 2, 3}, (
+        f"top_k=2 on [0.4, 0.2, 0.2, 0.2] kept tokens {sorted(got)}, expected all four: tokens "
+        "2 and 3 are as likely as the 2nd (keep every token at least as likely as the k-th, "
+        "not the k indices torch.topk happens to return)"
+    )
 
 
 TOP_P_CASES = [(0.4, {1}), (0.5, {1}), (0.7, {1, 3}), (0.75, {1, 3}), (0.8, {0, 1, 3})]
