@@ -97,7 +97,8 @@ def store_slab(cache: torch.Tensor, slab_id: int, start: int, values: torch.Tens
     the engine's whole [2, L, num_slabs, max_model_len, H_kv, D] tensor, so write *into* it
     (an indexed assignment); building a new tensor would leave the engine's cache unchanged.
     Touch no other position and no other slab. Prefill calls it with start 0 and the whole
-    prompt; each decode step with start = the sequence's length so far and n = 1.
+    prompt; each decode step with start = len(seq) - 1 (= num_cached_tokens: the positions
+    already stored) and n = 1.
     """
     raise NotImplementedError("task 3: store_slab")
 
