@@ -193,9 +193,9 @@ def format_report(run: GradedRun) -> str:
         lines.append("  NOT PASSED")
     elif not_run:
         lines.append(
-            f"  OK here: every graded test this machine can run passed; {not_run} need a GPU and "
-            f"did not run, so the stage is not done until `nanoserve check {run.stage_number}` "
-            "passes on one"
+            f"  OK here: every graded test this machine can run passed; {not_run} "
+            f"{'needs' if not_run == 1 else 'need'} a GPU and did not run, so the stage is not "
+            f"done until `nanoserve check {run.stage_number}` passes on one"
         )
     else:
         lines.append("  OK: every graded test passed")
