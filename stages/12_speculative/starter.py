@@ -132,9 +132,10 @@ class SpeculativeScheduler(Scheduler):
         step. Skip a sequence that gained nothing or is finished already (the step after its
         end). Otherwise it no longer owes the host a token (`num_pending -= 1`); append the
         gained tokens one by one, stopping at the first that finishes it (`finish_reason`). If
-        none does, the kept guesses' K/V (stored by the verify step) counts as stored too:
-        num_cached_tokens grows by len(gained) - 1 (the drawn token's K/V is the next step's),
-        and a prefix-caching manager (`self.prefix_manager`) hashes the blocks that filled.
+        none does and seq is still RUNNING, the kept guesses' K/V (stored by the verify step)
+        counts as stored too: num_cached_tokens grows by len(gained) - 1 (the drawn token's K/V
+        is the next step's), and a prefix-caching manager (`self.prefix_manager`) hashes the
+        blocks that filled (a sequence preempted meanwhile holds no blocks to hash).
 
         A finished sequence is finished with its reason (`seq.finish`); if it was preempted
         while its token was in flight it leaves `self.waiting`, else its memory is deallocated
@@ -147,9 +148,9 @@ class SpeculativeScheduler(Scheduler):
         """After a plan with guess budgets landed (`landed.plan.guesses[i]` for
         `landed.plan.seqs[i]`, `landed.tokens[i]` what it gained, already appended by `land`):
         the back-off learns what was kept (`self.speculation.judged(landed.plan,
-        landed.tokens)`), and each sequence that had a budget and is still RUNNING gives back
-        the blocks past what it still needs (`self.give_back(seq, num_tokens)`): the room of
-        rejected guesses and the room nobody used. A finished sequence holds nothing.
+        landed.tokens)`), and each sequence that had a budget (above 0) and is still RUNNING
+        gives back the blocks past what it still needs (`self.give_back(seq, num_tokens)`): the
+        room of rejected guesses and the room nobody used. A finished sequence holds nothing.
 
         What it still needs: in_flight is the step launched after the landed one, still on the
         device (None when nothing is). If it runs seq (in_flight.seqs[j], with budget
