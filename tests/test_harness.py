@@ -18,7 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from nanoserve import check, grading
-from nanoserve.check import GradedRun, Outcome, TestResult
+from nanoserve.check import GradedRun
+from nanoserve.check_records import Outcome, TestResult
 from nanoserve.stages import get_stage, implemented_stages
 
 ROOT = grading.repo_root()

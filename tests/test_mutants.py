@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from nanoserve import grading
-from nanoserve.check import Outcome
+from nanoserve.check_records import Outcome
 from tests.mutants import Mutant, all_mutants, grade, mutated_source, write_mutant, write_unmutated
 
 MUTANTS = all_mutants()

@@ -1,60 +1,32 @@
 """`nanoserve check NN --impl X`: run a stage's graded tests; report passed, failed, skipped.
 
 Introduced in stage 00. The tests run in a pytest subprocess (a fresh import of the learner's
-code each time) with this module loaded as a plugin that records every test's outcome, and a line
-per finished test for the progress bar (on a terminal, unless --quiet). A skip is never a pass:
-only a test that needs a GPU and skipped for lack of one is excused.
+code each time) with `check_records` loaded as a plugin that records every test's outcome, and a
+line per finished test for the progress bar (on a terminal, unless --quiet). A skip is never a
+pass: only a test that needs a GPU and skipped for lack of one is excused.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 
 from tqdm import tqdm
 
 from nanoserve import grading
+from nanoserve.check_records import (
+    PROGRESS_ENV_VAR,
+    REPORT_ENV_VAR,
+    Outcome,
+    TestResult,
+    read_report,
+)
 from nanoserve.stages import get_stage
-
-REPORT_ENV_VAR = "NANOSERVE_CHECK_REPORT"  # where the plugin half of this module writes outcomes
-PROGRESS_ENV_VAR = "NANOSERVE_CHECK_PROGRESS"  # and "collected N", then a line per finished test
-
-
-class Outcome(Enum):
-    """What happened to one graded test."""
-
-    PASSED = "passed"
-    FAILED = "failed"
-    SKIPPED = "skipped"
-    SKIPPED_NEEDS_GPU = "skipped, needs a GPU"
-
-
-@dataclass(frozen=True)
-class TestResult:
-    """One graded test: its pytest id, outcome and a one-line message (failure or skip reason)."""
-
-    __test__ = False  # not a pytest test class, despite the name
-
-    nodeid: str
-    outcome: Outcome
-    message: str = ""
-
-    @property
-    def behaviour(self) -> str:
-        """The test name as a sentence: test_task_2_foo_bar[x] -> 'task 2: foo bar [x]'."""
-        name = self.nodeid.rsplit("::", 1)[-1].removeprefix("test_")
-        name, bracket, params = name.partition("[")
-        words = name.split("_")
-        if len(words) > 2 and words[0] == "task" and words[1].isdigit():
-            words = [f"task {words[1]}:", *words[2:]]
-        return " ".join(words) + (f" [{params}" if bracket else "")
 
 
 @dataclass(frozen=True)
@@ -118,7 +90,7 @@ def run_test_file(
         env = {**os.environ, grading.IMPL_ENV_VAR: impl, REPORT_ENV_VAR: str(report_path)}
         env[PROGRESS_ENV_VAR] = str(progress_path)
         command = [sys.executable, "-m", "pytest", str(test_file), "-q"]
-        command += ["-p", "no:cacheprovider", "-p", "nanoserve.check"]
+        command += ["-p", "no:cacheprovider", "-p", "nanoserve.check_records"]
         command += ["-k", keyword] if keyword else []
         command += list(extra_args)
         with subprocess.Popen(
@@ -164,11 +136,6 @@ def _progress(lines: list[str]) -> tuple[int | None, int]:
     """(tests collected or None before collection ends, tests finished) from the progress file."""
     collected = [int(line.split()[1]) for line in lines if line.startswith("collected ")]
     return (collected[0] if collected else None), sum(line == "finished" for line in lines)
-
-
-def read_report(path: Path) -> tuple[TestResult, ...]:
-    """The results the plugin half wrote to `path` (the file REPORT_ENV_VAR names)."""
-    return _results(_read_records(path))
 
 
 def format_report(run: GradedRun) -> str:
@@ -233,77 +200,3 @@ def run_check(
         return 2
     print(format_report(run))
     return 0 if run.is_success else 1
-
-
-def _read_records(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _results(records: list[dict]) -> tuple[TestResult, ...]:
-    """Fold setup/call/teardown records into one result per test: a failure beats a skip beats
-    a pass, and the first failure's message is the one kept."""
-    rank = {Outcome.PASSED: 0, Outcome.SKIPPED: 1, Outcome.SKIPPED_NEEDS_GPU: 1, Outcome.FAILED: 2}
-    by_test: dict[str, TestResult] = {}
-    for record in records:
-        result = TestResult(record["nodeid"], Outcome(record["outcome"]), record["message"])
-        previous = by_test.get(result.nodeid)
-        if previous is None or rank[result.outcome] > rank[previous.outcome]:
-            by_test[result.nodeid] = result
-    return tuple(by_test.values())
-
-
-# ---- the plugin half: loaded into the pytest subprocess with `-p nanoserve.check` ----
-
-
-def pytest_runtest_logreport(report) -> None:
-    if report.when == "call" or not report.passed:
-        _write_record(report.nodeid, _outcome_of(report), _message_of(report))
-
-
-def pytest_collection_finish(session) -> None:
-    _write_progress(f"collected {len(session.items)}")
-
-
-def pytest_runtest_logfinish(nodeid, location) -> None:
-    _write_progress("finished")
-
-
-def _write_progress(line: str) -> None:
-    path = os.environ.get(PROGRESS_ENV_VAR)
-    if path:
-        with open(path, "a") as f:
-            f.write(line + "\n")
-
-
-def pytest_collectreport(report) -> None:
-    if report.failed:  # an import or syntax error in the graded file: nothing could run
-        _write_record(report.nodeid or "collection", Outcome.FAILED, _message_of(report))
-
-
-def _outcome_of(report) -> Outcome:
-    if report.failed:
-        return Outcome.FAILED
-    if report.skipped:
-        return Outcome.SKIPPED_NEEDS_GPU if "gpu" in report.keywords else Outcome.SKIPPED
-    return Outcome.PASSED
-
-
-def _message_of(report) -> str:
-    if report.passed:
-        return ""
-    if report.skipped and isinstance(report.longrepr, tuple):
-        return str(report.longrepr[2]).removeprefix("Skipped: ")
-    crash = getattr(report.longrepr, "reprcrash", None)
-    text = crash.message if crash is not None else report.longreprtext
-    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
-    return lines[0] if lines else "(no message)"
-
-
-def _write_record(nodeid: str, outcome: Outcome, message: str) -> None:
-    path = os.environ.get(REPORT_ENV_VAR)
-    if path:
-        record = {"nodeid": nodeid, "outcome": outcome.value, "message": message}
-        with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")

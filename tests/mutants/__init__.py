@@ -10,9 +10,9 @@ that `--impl PATH` grades like any other. `tests/test_mutants.py` runs each stag
 against each mutant and demands a failing test; `python -m tests.mutants` prints the kill score.
 
 `grade` runs a graded file exactly as `pytest stages/NN_slug --impl FILE` does (the root
-conftest's --impl, the `nanoserve.check` plugin recording outcomes), only in a fork of a warm
-interpreter instead of a fresh one: importing torch once per worker, not once per mutant, is
-what keeps fifty-odd graded runs inside CI's budget.
+conftest's --impl, the `nanoserve.check_records` plugin recording outcomes), only in a fork of a
+warm interpreter instead of a fresh one: importing torch once per worker, not once per mutant, is
+what keeps two hundred-odd graded runs inside CI's budget.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from nanoserve import check, grading
-from nanoserve.check import TestResult
+from nanoserve import check_records, grading
+from nanoserve.check_records import TestResult
 from nanoserve.learner_api import learner_api
 from nanoserve.stages import get_stage
 from tests.mutants.edits import EditError, apply_edit, definition_source
@@ -174,7 +174,7 @@ GRADE_DEADLINE_S = 900  # one graded file against one mutant: tens of seconds wh
 def grade(stage: int, impl: Path, extra_args=("-x",)) -> tuple[tuple[TestResult, ...], int, str]:
     """(results, pytest's exit status, output) of stage's graded file run against impl."""
     test_file = grading.repo_root() / get_stage(stage).test_file
-    args = [str(test_file), "-q", "-p", "no:cacheprovider", "-p", "nanoserve.check"]
+    args = [str(test_file), "-q", "-p", "no:cacheprovider", "-p", "nanoserve.check_records"]
     args += ["--impl", str(impl), *extra_args]
     with tempfile.TemporaryDirectory(prefix="nanoserve-mutant-") as tmp:
         report, log = Path(tmp) / "outcomes.jsonl", Path(tmp) / "output.txt"
@@ -190,7 +190,7 @@ def grade(stage: int, impl: Path, extra_args=("-x",)) -> tuple[tuple[TestResult,
                 f"stage {stage}'s graded file ran past {GRADE_DEADLINE_S} s against {impl}; "
                 f"killed. Its last output:\n{printed[-3000:]}"
             )
-        return check.read_report(report), process.exitcode, log.read_text()
+        return check_records.read_report(report), process.exitcode, log.read_text()
 
 
 def _warm_context():
@@ -207,7 +207,7 @@ def _pytest_main(args: list[str], report: str, log: str) -> None:
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
-    os.environ[check.REPORT_ENV_VAR] = report
+    os.environ[check_records.REPORT_ENV_VAR] = report
     os.environ.pop(grading.IMPL_ENV_VAR, None)  # --impl says it
     os.chdir(grading.repo_root())
     sys.exit(int(pytest.main(args)))

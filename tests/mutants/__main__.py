@@ -10,7 +10,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from nanoserve.check import Outcome
+from nanoserve.check_records import Outcome
 from tests.mutants import Mutant, all_mutants, grade, write_mutant
 
 
