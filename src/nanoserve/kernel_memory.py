@@ -56,6 +56,19 @@ class Stray:
         return f"kernel {self.kernel} ran {self.count} {self.op} lane(s) of {where}"
 
 
+def strays_message(strays: list[Stray], tensors: dict[str, object], advice: str) -> str:
+    """A graded test's failure for loads and stores outside the kernel's tensors: each named as
+    the test calls it (`tensors`, name -> tensor; other values are skipped), then `advice`."""
+    names = {t.data_ptr(): name for name, t in tensors.items() if isinstance(t, torch.Tensor)}
+    return (
+        "your kernels touched memory outside the tensors they were given (the interpreter reads "
+        "and writes it silently; a GPU may fault, read garbage or corrupt a neighbour): "
+        + "; ".join(s.describe(names) for s in strays)
+        + ". "
+        + advice
+    )
+
+
 def is_interpreting() -> bool:
     """True when Triton kernels run through the interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET") == "1"

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.kernel_memory import watch_memory
+from nanoserve.kernel_memory import strays_message, watch_memory
 from nanoserve.kernels.torch_paged import (
     store_kvcache as torch_store,  # stage 04's scatter: the oracle
 )
@@ -59,15 +59,12 @@ def check_store(impl, key, value, slot_mapping, num_blocks=6, block_size=4):
     with watch_memory() as strays:  # under the interpreter: every lane inside some argument
         result = impl.store_kvcache(key, value, k_cache, v_cache, slots)
     if strays:
-        args = {"key": key, "value": value, "k_cache": k_cache, "v_cache": v_cache}
-        names = {t.data_ptr(): name for name, t in {**args, "slot_mapping": slots}.items()}
-        raise AssertionError(
-            "your kernel touched memory outside the tensors it was given (the interpreter reads "
-            "and writes it silently; a GPU may fault or corrupt a neighbour): "
-            + "; ".join(s.describe(names) for s in strays)
-            + ". A padding row (slot -1) must return before any store, and every load and store "
-            "of a row needs the mask offs < H_kv * D"
+        tensors = {"key": key, "value": value, "k_cache": k_cache, "v_cache": v_cache}
+        advice = (
+            "A padding row (slot -1) must return before any store, and every load and store of a "
+            "row needs the mask offs < H_kv * D"
         )
+        raise AssertionError(strays_message(strays, {**tensors, "slot_mapping": slots}, advice))
     assert result is None, "store_kvcache writes into the caches it is given and returns nothing"
     assert_same_bytes(got.cpu(), want)
 

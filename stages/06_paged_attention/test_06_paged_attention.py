@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.kernel_memory import empty_is_poison, watch_memory
+from nanoserve.kernel_memory import empty_is_poison, strays_message, watch_memory
 from nanoserve.kernels.attention import attend
 
 pytest.importorskip("triton", reason="stage 06 needs triton (pip install triton)")
@@ -137,20 +137,15 @@ def call_kernel(kernel, pages: Pages, q, fill: float, args: dict, owned_only: bo
     with watch_memory() as strays, empty_is_poison():
         got = kernel(q, k_cache, v_cache, *args.values(), out, **launch)
     if strays:
-        names = {t.data_ptr(): n for n, t in tensors.items() if isinstance(t, torch.Tensor)}
-        raise AssertionError(stray_message([s.describe(names) for s in strays]))
+        raise AssertionError(strays_message(strays, tensors, MASK_ADVICE))
     return got
 
 
-def stray_message(strays: list[str]) -> str:
-    return (
-        "your kernels touched memory outside the tensors they were given (the interpreter reads "
-        "it silently; a GPU may fault or read garbage): "
-        + "; ".join(strays)
-        + ". Every load and store needs a mask: the block table holds a request's blocks and "
-        "then -1 padding or nothing at all, so its entry for a position at or past the "
-        "request's context_len must not be read (load it with mask=position < context_len)"
-    )
+MASK_ADVICE = (
+    "Every load and store needs a mask: the block table holds a request's blocks and then -1 "
+    "padding or nothing at all, so its entry for a position at or past the request's "
+    "context_len must not be read (load it with mask=position < context_len)"
+)
 
 
 def rows_not_finite(got: torch.Tensor) -> list[int]:
