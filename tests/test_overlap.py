@@ -167,6 +167,8 @@ def test_verify_steps_captured_whole_give_the_tokens_of_verify_steps_launched_on
 ):
     # stage 12 guessing ahead on a GPU replays its verify steps (StepGraphs.run_verify): the
     # picking of the guesses, the rows, the forward, the verdict and the record in one graph
+    from nanoserve.engine.speculation.ngram_proposer import propose_ngram
+
     options = dict(dtype="float32", max_num_seqs=16, max_model_len=256, num_kv_blocks=256)
     options.update(speculative_method="ngram", num_speculative_tokens=3)
     # ending at different steps: the last one verifies alone (bucket 1's shape, 3 guesses) with
@@ -176,11 +178,16 @@ def test_verify_steps_captured_whole_give_the_tokens_of_verify_steps_launched_on
         SamplingParams(temperature=temperature, seed=5, max_tokens=m, ignore_eos=True)
         for m in (40, 29, 17)
     ]
-    stretch = [(31 * j) % 10000 for j in range(12)]  # repeated: the lookup always finds guesses
+    stretch = [(31 * j) % 10000 for j in range(12)]
     prompts = [stretch * (2 + i) for i in range(3)]
 
+    def lookup(token_ids: list[int], k: int, max_n: int, min_n: int) -> list[int]:
+        # guesses at every step: sampled text (0.8) soon leaves the repeated prompt, and its
+        # newest token may occur nowhere earlier; the H200 then ran no solo verify (2026-12-05)
+        return propose_ngram(token_ids, k, max_n, min_n) or token_ids[-1:] * k
+
     def run(captured: bool) -> tuple[list[list[int]], list, int]:
-        llm = LLM("qwen3-0.6b", stage=12, **options)
+        llm = LLM("qwen3-0.6b", stage=12, components={"propose_ngram": lookup}, **options)
         runner, engine = llm.engine.runner, llm.engine
         engine.scheduler.speculation.backoff.MAX_WAIT = 1  # guess at every step
         shapes: list = []
