@@ -297,3 +297,5 @@ def test_the_kernel_sass_tool_compiles_the_fp8_decode_kernel_with_under_one_conv
     assert int(pools["e4m3"]["mma"]) == int(pools["bfloat16"]["mma"]) > 0  # the same two dots
     codes_per_thread = 2 * 64 * 128 // (4 * 32)
     assert 0 < int(pools["e4m3"]["cvt"]) < codes_per_thread
+    for row in table:  # the loop's body, found: a large part of the kernel, never all of it
+        assert int(row["instructions"]) // 3 < int(row["loop"]) < int(row["instructions"])

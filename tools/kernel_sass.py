@@ -17,6 +17,9 @@ memory, the shared memory, and how many instructions of each kind the kernel hol
   "Arithmetic instructions"): a kernel that converts every K/V element can be bound by them.
 - `ld.global`, `ld.global->shared` (cp.async, what software pipelining issues), `ld.shared`
   (LDS, LDSM), `mma` (HMMA; HGMMA, Hopper's warpgroup mma, in prefill), `spill` (STL, LDL).
+- `loop`: the instructions between each backward branch and its target, the loops' bodies
+  (one for decode; prefill's two, summed): what one tile of keys costs a thread. Divided by the
+  K/V bytes a thread reads per tile, it gives instructions a byte (docs/benchmarks.md).
 
 It counts instructions in the binary, not instructions executed: each loop's body appears once
 (prefill has two: the diagonal's masked tiles, then the full ones), so the counts
@@ -153,13 +156,23 @@ def read_binary(compiled, dump: pathlib.Path | None) -> dict:
     row = {"registers": int(re.search(r"REG:(\d+)", usage)[1]),
            "stack bytes": int(re.search(r"STACK:(\d+)", usage)[1]),
            "shared KiB": compiled.metadata.shared / 1024,
-           "instructions": len(opcodes)}  # fmt: skip
+           "instructions": len(opcodes),
+           "loop": loop_instructions(sass)}  # fmt: skip
     for kind, pattern in KINDS.items():
         row[kind] = sum(n for op, n in counts.items() if pattern.match(op))
     row["conversions"] = ", ".join(
         f"{n} {op}" for op, n in counts.most_common() if KINDS["cvt"].match(op)
     )
     return row
+
+
+def loop_instructions(sass: str) -> int:
+    """Instructions inside the loops: for each branch back to an earlier address, the span from
+    its target to it (16 bytes an instruction on sm_90). The trap at the kernel's end, a branch
+    to itself, spans nothing."""
+    branch = r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+0x([0-9a-f]+)"
+    spans = [(int(at, 16), int(to, 16)) for at, to in re.findall(branch, sass)]
+    return sum((at - to) // 16 + 1 for at, to in spans if to < at)
 
 
 def run(*command) -> str:
