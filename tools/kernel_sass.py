@@ -63,6 +63,9 @@ KINDS = {
     "mma": re.compile(r"^(HMMA|HGMMA)\b"),
     "spill": re.compile(r"^(STL|LDL)\b"),
 }
+# what precedes an opcode in cuobjdump's listing: its address in a comment (the group), then an
+# optional predicate such as @!P0
+ADDRESS = r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?"
 TORCH_TYPES = {
     torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
     torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64",
@@ -151,7 +154,7 @@ def read_binary(compiled, dump: pathlib.Path | None) -> dict:
         for kind in ("ttgir", "ptx"):
             dump.with_suffix(f".{kind}").write_text(compiled.asm[kind])
         dump.with_suffix(".sass").write_text(sass)
-    opcodes = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+    opcodes = [op for _, op in re.findall(ADDRESS + r"([A-Z][A-Z0-9_.]*)", sass)]
     counts = collections.Counter(opcodes)
     row = {"registers": int(re.search(r"REG:(\d+)", usage)[1]),
            "stack bytes": int(re.search(r"STACK:(\d+)", usage)[1]),
@@ -170,8 +173,8 @@ def loop_instructions(sass: str) -> int:
     """Instructions inside the loops: for each branch back to an earlier address, the span from
     its target to it (16 bytes an instruction on sm_90). The trap at the kernel's end, a branch
     to itself, spans nothing."""
-    branch = r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+0x([0-9a-f]+)"
-    spans = [(int(at, 16), int(to, 16)) for at, to in re.findall(branch, sass)]
+    branches = re.findall(ADDRESS + r"BRA\s+0x([0-9a-f]+)", sass)
+    spans = [(int(at, 16), int(to, 16)) for at, to in branches]
     return sum((at - to) // 16 + 1 for at, to in spans if to < at)
 
 

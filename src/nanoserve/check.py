@@ -162,7 +162,7 @@ def format_report(run: GradedRun) -> str:
         lines.append(
             f"  OK here: every graded test this machine can run passed; {not_run} "
             f"{'needs' if not_run == 1 else 'need'} a GPU and did not run, so the stage is not "
-            f"done until `nanoserve check {run.stage_number}` passes on one"
+            f"done until `nanoserve check {run.stage_number}` with the same --impl passes on one"
         )
     else:
         lines.append("  OK: every graded test passed")
@@ -183,7 +183,9 @@ def _listed(results: list[TestResult]) -> list[str]:
 def run_check(
     stage: int, impl: str = "ref", keyword: str | None = None, quiet: bool = False
 ) -> int:
-    """Run, print the report, and return 0 only when every graded test passed (a skip fails).
+    """Run, print the report, and return 0 when every test this machine can run passed (a
+    graded test skipped for want of a GPU is excused, and the report says it did not run; any
+    other skip fails).
 
     An --impl that cannot be loaded (no such file, an import error, a missing API name) is one
     line on stderr and exit status 2, before any test runs. Unless `quiet`, a line on stderr says

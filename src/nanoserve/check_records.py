@@ -50,7 +50,7 @@ class TestResult:
 
 
 def read_report(path: Path) -> tuple[TestResult, ...]:
-    """The results the plugin half wrote to `path` (the file REPORT_ENV_VAR names)."""
+    """The results the hooks below wrote to `path` (the file REPORT_ENV_VAR names)."""
     return _results(_read_records(path))
 
 

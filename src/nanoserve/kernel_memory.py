@@ -1,8 +1,8 @@
 """A kernel's memory mistakes made visible in tests: stray addresses, and memory never written.
 
-Introduced for stage 06's graded tests (stage 08's use `empty_is_poison` too). On a GPU an
-unmasked load past a tensor's end may read the allocator's slack and go unnoticed; Triton's
-interpreter reads host memory just as silently.
+Introduced for stage 05's and stage 06's graded tests (stage 08's use `empty_is_poison` too).
+On a GPU an unmasked load past a tensor's end may read the allocator's slack and go unnoticed;
+Triton's interpreter reads host memory just as silently.
 Inside `watch_memory()` each load and store that the interpreter runs is checked lane by lane:
 an active lane must address an element of some tensor passed to that kernel launch (the
 learner's own scratch buffers count: they are arguments too). Lanes that do not are recorded and
@@ -41,18 +41,18 @@ class Stray:
     kernel: str
     op: str  # "load" or "store"
     count: int = 0
-    nearest: Extent | None = None  # the argument whose end the farthest stray lane is past
-    elements_past: int = 0  # how far past that end, in its elements
+    nearest: Extent | None = None  # the argument nearest the stray lane farthest from any
+    elements_off: int = 0  # how far that lane is from it, in its elements
+    before: bool = False  # below its start (a negative index), not past its end
 
     def describe(self, names: dict[int, str]) -> str:
         """In words; names maps a tensor's data_ptr to what the caller calls it."""
         where = "memory outside every tensor it was given"
         if self.nearest is not None:
             name = names.get(self.nearest.start, f"its argument {self.nearest.name}")
-            where += (
-                f", up to {self.elements_past} element(s) past the end of {name} "
-                f"({self.nearest.what})"
-            )
+            side = "before the start" if self.before else "past the end"
+            off = f"up to {self.elements_off} element(s) {side} of {name}"
+            where += f", {off} ({self.nearest.what})"
         return f"kernel {self.kernel} ran {self.count} {self.op} lane(s) of {where}"
 
 
@@ -118,13 +118,21 @@ class MemoryWatch:
         if not found:
             self.strays.append(stray)
         stray.count += addresses.size
-        farthest = int(addresses.max())
-        below = [e for e in self.launch if e.start <= farthest]
-        if below:
-            nearest = max(below, key=lambda e: e.start)
-            past = (farthest - nearest.end) // nearest.itemsize + 1
-            if past > stray.elements_past:
-                stray.nearest, stray.elements_past = nearest, past
+        for address in {int(addresses.min()), int(addresses.max())}:  # the two farthest out
+            gap = self.nearest(address)
+            if gap is not None and gap[1] > stray.elements_off:
+                stray.nearest, stray.elements_off, stray.before = gap
+
+    def nearest(self, address: int) -> tuple[Extent, int, bool] | None:
+        """The launch's argument nearest a stray byte address, how many of its elements away,
+        and whether the address lies before its start (else past its end)."""
+        gaps = [
+            (e, -(-(e.start - address) // e.itemsize), True)
+            if address < e.start
+            else (e, (address - e.end) // e.itemsize + 1, False)
+            for e in self.launch
+        ]
+        return min(gaps, key=lambda gap: gap[1], default=None)
 
 
 @contextlib.contextmanager

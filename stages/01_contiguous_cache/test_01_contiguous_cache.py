@@ -36,24 +36,12 @@ def test_task_1_a_fresh_manager_hands_out_slabs_0_1_2_in_order(impl):
     assert manager.num_slabs == 3, f"SlabManager(3).num_slabs is {manager.num_slabs}, expected 3"
     seqs = [new_seq() for _ in range(3)]
     for seq in seqs:
-        manager.allocate(seq)
+        answer = manager.allocate(seq)
+        assert answer == 0, (
+            f"allocate returned {answer!r}, expected 0: a fresh slab holds none of seq's K/V"
+        )
     got = [seq.slab_id for seq in seqs]
     assert got == [0, 1, 2], f"three sequences admitted in turn got slabs {got}, expected [0, 1, 2]"
-
-
-def test_task_2_allocate_answers_that_a_fresh_slab_holds_none_of_the_sequence(impl):
-    manager = impl.SlabManager(2)
-    first, again = new_seq(5), new_seq(5)
-    got = manager.allocate(first)
-    assert got == 0, (
-        f"allocate returned {got!r}, expected 0: it answers how many of seq's tokens already "
-        "have K/V stored (the scheduler makes that seq.num_cached_tokens), and a slab just "
-        "handed out holds none of them"
-    )
-    manager.deallocate(first)
-    got = manager.allocate(again)  # the slab the first one filled: its bytes are not again's
-    assert got == 0, f"allocate of a returned slab answered {got!r}, expected 0"
-    assert again.num_cached_tokens == 0, "allocate writes seq.slab_id only, never the count"
 
 
 def test_task_1_can_allocate_and_num_free_slabs_follow_the_admissions(impl):
@@ -82,6 +70,21 @@ def test_task_1_every_request_within_max_model_len_fits_a_slab(
 
 
 # ---- task 2: growth and giving slabs back ----
+
+
+def test_task_2_allocate_answers_that_a_fresh_slab_holds_none_of_the_sequence(impl):
+    manager = impl.SlabManager(2)
+    first, again = new_seq(5), new_seq(5)
+    got = manager.allocate(first)
+    assert got == 0, (
+        f"allocate returned {got!r}, expected 0: it answers how many of seq's tokens already "
+        "have K/V stored (the scheduler makes that seq.num_cached_tokens), and a slab just "
+        "handed out holds none of them"
+    )
+    manager.deallocate(first)
+    got = manager.allocate(again)  # the slab the first one filled: its bytes are not again's
+    assert got == 0, f"allocate of a returned slab answered {got!r}, expected 0"
+    assert again.num_cached_tokens == 0, "allocate writes seq.slab_id only, never the count"
 
 
 def test_task_2_a_sequence_holding_a_slab_can_always_append_and_nothing_moves(impl):

@@ -213,7 +213,7 @@ def test_task_1_check_fits_refuses_a_request_that_needs_more_blocks_than_exist(i
             manager.check_fits(prompt, longest)
             pytest.fail(
                 f"check_fits({prompt}, {longest}) on 8 blocks of 4 raised nothing: {why} needs "
-                f"{-(-max(prompt, longest) // 4)} blocks; refuse it with a ValueError"
+                f"{ceil_div(max(prompt, longest), 4)} blocks; refuse it with a ValueError"
             )
     assert manager.num_free_blocks == 8, "check_fits must take no block"
 

@@ -61,8 +61,8 @@ def check_store(impl, key, value, slot_mapping, num_blocks=6, block_size=4):
     if strays:
         tensors = {"key": key, "value": value, "k_cache": k_cache, "v_cache": v_cache}
         advice = (
-            "A padding row (slot -1) must return before any store, and every load and store of a "
-            "row needs the mask offs < H_kv * D"
+            "A padding row (slot -1) must store nothing (return early, or mask its stores), "
+            "and every load and store of a row needs the mask offs < H_kv * D"
         )
         raise AssertionError(strays_message(strays, {**tensors, "slot_mapping": slots}, advice))
     assert result is None, "store_kvcache writes into the caches it is given and returns nothing"

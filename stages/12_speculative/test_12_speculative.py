@@ -387,6 +387,29 @@ def test_task_3_blocks_full_of_kept_tokens_are_shareable_at_once(impl):
     manager.check_invariants()
 
 
+def test_task_3_a_sequence_preempted_while_it_was_verified_keeps_its_tokens_not_its_blocks(impl):
+    scheduler, manager, plan, _ = decoding(impl, [6, 6], manager_cls=PrefixBlockManager)
+    _, b = plan.seqs
+    scheduler.update(plan, StepOutput(None, (0, 1), None))  # launched; its verdict is on the way
+    scheduler.preempt(b)  # the next plan took b's blocks while b's verify step was in flight
+    landed = Landed(plan, [[40], [50, 41]], [[0] * n for n in plan.guesses])  # b kept 50, drew 41
+    try:
+        scheduler.land(landed)
+        scheduler.settle_guesses(landed, None)
+    except KeyError as err:
+        pytest.fail(
+            f"landing a kept guess of request {b.seq_id}, preempted while its step ran, raised "
+            f"KeyError {err}: count and hash kept guesses only for a sequence still RUNNING (a "
+            "preempted one holds no blocks; readmission recomputes it)"
+        )
+    assert b.token_ids[-2:] == [50, 41] and b in scheduler.waiting and not b.block_table, (
+        f"request {b.seq_id} preempted in flight: tokens {b.token_ids}, blocks {b.block_table}, "
+        f"waiting: {b in scheduler.waiting}; expected its kept guess and drawn token appended, "
+        "no blocks, and its place in waiting"
+    )
+    manager.check_invariants()
+
+
 def test_task_3_a_verdict_landing_under_the_next_step_keeps_that_steps_room(impl):
     scheduler, manager, plan, _ = decoding(impl, [5, 3])
     a, b = plan.seqs

@@ -35,7 +35,14 @@ from nanoserve.stages import get_stage
 from tests.mutants.edits import EditError, apply_edit, definition_source
 
 # imported once by a fork server, so each graded run starts warm (a second, not ten)
-WARM_MODULES = ["torch", "transformers", "hypothesis", "pytest", "nanoserve.llm", "nanoserve.check"]
+WARM_MODULES = [
+    "torch",
+    "transformers",
+    "hypothesis",
+    "pytest",
+    "nanoserve.llm",
+    "nanoserve.check_records",
+]
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,8 @@
 """Stage 00 mutants: the model's pieces (rms_norm, RoPE, causal grouped attention, SwiGLU) and
-top-k / top-p filtering, one realistic learner bug each. The sampler itself (`sample`) is the
-engine's `Sampler`, whose bugs the later stages' mutants and tests cover."""
+top-k / top-p filtering, one realistic learner bug each. No mutant targets the sampler
+(`sample`, task 6): the reference is the engine's batched `Sampler` (`sampling.sample_one`), not a
+function a learner's bug could be written into; task 6's graded tests and tests/test_sampling.py
+check it."""
 
 from __future__ import annotations
 

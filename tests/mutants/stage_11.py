@@ -218,7 +218,8 @@ MUTANTS = (
         "was in flight: it holds no blocks (the prefix manager fails)",
         "OverlapScheduler.land",
         (
-            "if len(gained) > 1:\n    seq.num_cached_tokens += len(gained) - 1\n"
+            "if len(gained) > 1 and seq.status is SequenceStatus.RUNNING:\n"
+            "    seq.num_cached_tokens += len(gained) - 1\n"
             "    if self.prefix_manager is not None:\n        self.prefix_manager.hash_blocks(seq)",
             "seq.num_cached_tokens += len(gained) - 1\nif self.prefix_manager is not None:\n"
             "    self.prefix_manager.hash_blocks(seq)",

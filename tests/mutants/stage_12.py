@@ -9,7 +9,7 @@ from tests.mutants.stage_11 import FINISH as FINISHED  # land's finish, stage 11
 
 RESERVE = "return self.room.reserve(seq, len(seq) + budget) - len(seq)"
 KEPT_KV = """
-if len(gained) > 1:
+if len(gained) > 1 and seq.status is SequenceStatus.RUNNING:
     seq.num_cached_tokens += len(gained) - 1
     if self.prefix_manager is not None:
         self.prefix_manager.hash_blocks(seq)
@@ -157,6 +157,13 @@ MUTANTS = (
             "if len(gained) > 1 and self.prefix_manager is not None:\n"
             "    self.prefix_manager.hash_blocks(seq)",
         ),
+    ),
+    mutant(
+        "preempted_in_flight_hashed",
+        "land counts and hashes the kept guesses of a sequence preempted while its step ran: "
+        "it holds no blocks, and the prefix manager raises KeyError",
+        "SpeculativeScheduler.land",
+        (KEPT_KV, KEPT_KV.replace(" and seq.status is SequenceStatus.RUNNING", "")),
     ),
     mutant(
         "drawn_token_stored",

@@ -242,7 +242,9 @@ class Scheduler:
                 if reason is not None:
                     break
             if reason is None:
-                if len(gained) > 1:  # stage 12: the kept guesses' K/V stays
+                # stage 12: the kept guesses' K/V stays (unless seq was preempted meanwhile: it
+                # holds no blocks, and readmission recomputes it)
+                if len(gained) > 1 and seq.status is SequenceStatus.RUNNING:
                     seq.num_cached_tokens += len(gained) - 1
                     if self.prefix_manager is not None:  # blocks full of kept tokens
                         self.prefix_manager.hash_blocks(seq)
