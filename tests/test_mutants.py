@@ -10,13 +10,25 @@ doing. `python -m tests.mutants` prints the score per stage and which test kille
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from nanoserve import grading
 from nanoserve.check_records import Outcome
-from tests.mutants import Mutant, all_mutants, grade, mutated_source, write_mutant, write_unmutated
+from tests.mutants import (
+    Mutant,
+    RunFirst,
+    all_mutants,
+    grade,
+    mutated_source,
+    recorded_killers,
+    write_mutant,
+    write_unmutated,
+)
 
 MUTANTS = all_mutants()
+KILLERS = recorded_killers()  # run first: a killed mutant's run stops at once (-x)
 MIN_MUTANTS_PER_STAGE = 8
 # the slow, engine-level task of each stage
 ENGINE_TASK = {
@@ -46,7 +58,7 @@ def shared_fixtures(tiny_llama_folder, slab_engine_tokens):
 def test_the_graded_file_kills_the_mutant(mutant: Mutant, tmp_path):
     path = write_mutant(mutant, tmp_path)
     grading.load_impl(mutant.stage, str(path))  # it imports and defines the whole stage API
-    results, returncode, output = grade(mutant.stage, path)
+    results, returncode, output = grade(mutant.stage, path, first=KILLERS.get(mutant.id))
     failed = [r for r in results if r.outcome is Outcome.FAILED]
     assert returncode == 1 and failed, (
         f"mutant {mutant.id} survived: {mutant.bug}\n{output[-2000:]}"
@@ -84,3 +96,16 @@ def test_a_graded_run_past_its_deadline_is_killed_and_named(monkeypatch, tmp_pat
     path = write_unmutated(2, next(m.module for m in MUTANTS if m.stage == 2), tmp_path)
     with pytest.raises(TimeoutError, match=r"stage 2's graded file ran past 0\.5 s"):
         grade(2, path)
+
+
+def test_run_first_moves_the_named_test_to_the_front_and_keeps_the_rest_in_order():
+    items = [SimpleNamespace(name=name) for name in ("t1", "t2[a]", "t2[b]", "t3")]
+    RunFirst("t2[b]").pytest_collection_modifyitems(items)
+    assert [item.name for item in items] == ["t2[b]", "t1", "t2[a]", "t3"]
+    RunFirst("renamed_since").pytest_collection_modifyitems(items)  # stale: the order stays
+    assert [item.name for item in items] == ["t2[b]", "t1", "t2[a]", "t3"]
+
+
+def test_every_recorded_killer_belongs_to_a_mutant_that_exists():
+    """killers.txt keeps no entry of a renamed or deleted mutant (`--write` drops them)."""
+    assert set(KILLERS) <= {m.id for m in MUTANTS}
