@@ -48,6 +48,12 @@ SLOW_TESTS = (
     "stages/06_paged_attention/test_06_paged_attention.py::test_task_5_",  # engine, interpreted
     "stages/09_tensor_parallel/",  # two- and four-rank process groups
     "tests/test_docs.py::test_every_python_block_of_the_page_runs[stages/09_tensor_parallel/",
+    # single tests of 4-7 s (keeping `make check` near a minute)
+    "tests/test_seams.py::test_every_stage_engine_is_built_from_the_three_contracts",
+    "tests/test_mutant_edits.py::test_every_mutant_makes_the_same_program_from_the_reference_",
+    "tests/test_impl_commands.py::test_metrics_say_plainly_that_your_prefix_manager_keeps_no_",
+    "tests/test_bench.py::test_the_workload_steps_tool_splits_a_run_whose_steps_add_up_to_it",
+    "tests/test_device_sampler.py::test_the_triton_kernel_draws_the_torch_expressions_tokens",
 )
 
 
