@@ -30,7 +30,7 @@ demo: $(VENV)/.run-deps
 
 test: $(VENV)/.dev-deps lint docs pytest
 
-# About a minute on 2 cores (53-89 s, the README); `make test` (CI) still runs everything.
+# Under a minute on 2 cores (55 s, the README); `make test` (CI) still runs everything.
 check: $(VENV)/.dev-deps
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
