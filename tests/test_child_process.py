@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -119,3 +120,32 @@ def test_a_ctrl_c_while_a_child_still_imports_does_not_reach_it():
     assert child.receive(tuple, timeout_s=30) == ("echo", "still there?")
     stop_all([child], timeout_s=EXIT_GRACE_S)
     assert child.process.exitcode == 0
+
+
+def test_a_killed_child_read_by_two_threads_at_once_is_described_as_killed_by_both(monkeypatch):
+    """The moment a tensor-parallel worker is killed, the group's watcher and the failed step
+    both read its exit status. Here the watcher's read reaps the child and pauses before it
+    stores the status (as a thread may when it loses the GIL there): the step's read, meanwhile,
+    must still see a killed child, not a running one (it once did, and a test got gloo's bare
+    error instead of WorkerDied)."""
+    child = ChildProcess(sleep_through_everything, (), name="worker 1")
+    real_waitpid, reaped = os.waitpid, threading.Event()
+
+    def waitpid_that_pauses_for_the_watcher(pid, options):
+        result = real_waitpid(pid, options)
+        if threading.current_thread().name == "watcher" and result[0] == pid:
+            reaped.set()
+            time.sleep(0.5)  # reaped, the status not stored yet
+        return result
+
+    monkeypatch.setattr(os, "waitpid", waitpid_that_pauses_for_the_watcher)
+    os.kill(child.process.pid, signal.SIGKILL)
+    assert child.has_ended(EXIT_GRACE_S)
+    watcher = threading.Thread(target=child.exit_code, name="watcher")
+    watcher.start()
+    assert reaped.wait(EXIT_GRACE_S)
+    story = child.failure(grace_s=5.0)
+    watcher.join()
+    assert story is not None and "worker 1" in story and "killed by signal 9" in story
+    assert child.exit_code() == -signal.SIGKILL
+    stop_all([child])  # nothing left to stop: it returns at once

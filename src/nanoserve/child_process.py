@@ -70,6 +70,7 @@ class ChildProcess:
         with terminal_interrupts_ignored():
             self.process.start()
         theirs.close()  # ours is now the only handle: the child sees EOF when we go
+        self._poll_lock = threading.Lock()  # see exit_code
 
     @property
     def sentinel(self) -> int:
@@ -97,13 +98,32 @@ class ChildProcess:
             raise ChildDied(f"{self.name} said {message!r}, expected {kind.__name__}")
         return message
 
+    def exit_code(self) -> int | None:
+        """The child's exit code (negative: the signal that killed it), or None while it runs.
+
+        One thread reads it at a time. multiprocessing reaps an ended child with waitpid and
+        then stores its status; a second thread's waitpid in between gets ECHILD and reads None,
+        as if the child still ran. The tensor-parallel group's watcher and a failed step's report
+        both ask the moment a worker is killed: a test saw the bare gloo error instead of
+        WorkerDied that way. Every read here (and in the engine) goes through this lock.
+        And once the sentinel says the child has ended, the read waits for its status: the
+        sentinel is ready when the child's pipe closes, a moment before waitpid can reap it."""
+        with self._poll_lock:
+            if self.has_ended():
+                self.process.join()  # a blocking waitpid: returns as soon as it is reaped
+            return self.process.exitcode
+
+    def has_ended(self, timeout_s: float | None = 0.0) -> bool:
+        """True once the child has ended, waiting up to timeout_s (None: as long as it takes)."""
+        return bool(wait([self.sentinel], timeout_s))
+
     def failure(self, grace_s: float = 1.0) -> str | None:
         """How the child failed or ended, if it has (waiting up to grace_s for it to end)."""
-        self.process.join(grace_s)
+        ended = self.has_ended(grace_s)
         last_word = self._last_word()
         if isinstance(last_word, Failed):
             return self.describe_failed(last_word)
-        return None if self.process.exitcode is None else self.describe_exit()
+        return self.describe_exit() if ended else None
 
     def describe_end(self, grace_s: float = 5.0) -> str:
         """Why the pipe went quiet: its last word, how it exited, or that it closed its end."""
@@ -115,7 +135,7 @@ class ChildProcess:
 
     def describe_exit(self) -> str:
         """How the ended child exited: "worker 1 (pid 7) was killed by signal 9"."""
-        return f"{self.name} (pid {self.process.pid}) {exit_story(self.process.exitcode)}"
+        return f"{self.name} (pid {self.process.pid}) {exit_story(self.exit_code())}"
 
     def _last_word(self):
         """A message the child left in the pipe before it ended, if any."""
@@ -170,13 +190,12 @@ def stop_all(children: Sequence[ChildProcess], polite: bool = True, timeout_s: f
         with contextlib.suppress(OSError):  # it is gone already, or its pipe is closed
             child.send(Stop())
     for child in children:
-        child.process.join(timeout_s)
-        if child.process.is_alive():
+        if not child.has_ended(timeout_s):
             child.process.terminate()
-            child.process.join(2.0)
-        if child.process.is_alive():
-            child.process.kill()
-            child.process.join()
+            if not child.has_ended(2.0):
+                child.process.kill()
+                child.has_ended(None)
+        child.exit_code()  # reaped: no zombie left behind
         child.conn.close()
 
 

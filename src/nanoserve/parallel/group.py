@@ -114,7 +114,7 @@ class WorkerGroup:
         while self.closed_because is None:
             if wait(sentinels, timeout=0.5) and self.closed_because is None:
                 dead = [
-                    w.describe_exit() for w in self.workers if w.process.exitcode not in (None, 0)
+                    w.describe_exit() for w in self.workers if w.exit_code() not in (None, 0)
                 ]  # 0: asked to stop
                 if not dead:
                     return

@@ -227,7 +227,7 @@ class EngineClient:
         except BaseException as err:
             logger.exception("engine process reader: a batch could not be delivered")
             self.failure = EngineError(f"the engine process reader failed: {err!r}")
-        if self.child.process.exitcode != 0:
+        if self.child.exit_code() != 0:
             logger.error("%s", self.failure)
         waiting = [Delivery(self.streams.pop(i), self.failure) for i in list(self.streams)]
         self.deliver(waiting)
