@@ -48,7 +48,7 @@ SLOW_TESTS = (
     "stages/06_paged_attention/test_06_paged_attention.py::test_task_5_",  # engine, interpreted
     "stages/09_tensor_parallel/",  # two- and four-rank process groups
     "tests/test_docs.py::test_every_python_block_of_the_page_runs[stages/09_tensor_parallel/",
-    # single tests of 4-7 s (keeping `make check` near a minute)
+    # single tests of 4-7 s (keeping `make check` under a minute)
     "tests/test_seams.py::test_every_stage_engine_is_built_from_the_three_contracts",
     "tests/test_mutant_edits.py::test_every_mutant_makes_the_same_program_from_the_reference_",
     "tests/test_impl_commands.py::test_metrics_say_plainly_that_your_prefix_manager_keeps_no_",
