@@ -1,14 +1,26 @@
-"""One layer's paged decode kernel over a bfloat16 pool and over e4m3 codes, side by side.
+"""One layer's e4m3 kernels beside bfloat16's: paged decode, the K/V store, and prefill.
 
-    PYTHONPATH=src python3 tools/bench_fp8_decode.py            # default tiles
-    PYTHONPATH=src python3 tools/bench_fp8_decode.py --sweep    # 12 tile / warp / stage sets
+    PYTHONPATH=src python3 tools/bench_fp8_decode.py            # decode, default tiles
+    PYTHONPATH=src python3 tools/bench_fp8_decode.py --sweep    # decode: tiles, warps, stages,
+                                                                # partitions
+    PYTHONPATH=src python3 tools/bench_fp8_decode.py --store --prefill --no-decode
 
-Batch 256, context 1,024, Qwen3-0.6B's heads (16 query, 8 KV, 128 wide), blocks of 16 in a
-shuffled table; random bfloat16 K/V, and random e4m3 codes (never the NaN codes) with exponents
-in -8..0. Times `paged_attention_decode` with `triton.testing.do_bench` and prints microseconds
-and the K/V bytes read per second (the e4m3 pool reads half of bfloat16's). It asserts
-nothing: a measuring tool for docs/benchmarks.md ("Where a decode step's time goes"), never a
-test. Needs a GPU.
+Decode: batch 256, context 1,024, Qwen3-0.6B's heads (16 query, 8 KV, 128 wide), blocks of 16
+in a shuffled table; random bfloat16 K/V, and random e4m3 codes (never the NaN codes) with
+exponents in -8..0. Prints microseconds and the K/V bytes read per second (the e4m3 pool reads
+half of bfloat16's); each sweep row says whether its output is bit for bit the default tiles'.
+The sweep times bfloat16 at three sets only: it is the yardstick, not the subject.
+
+Store (`--store`): one decode step's K/V of 256 tokens, each appending to a block of its own,
+written by bfloat16's copy and by the e4m3 store kernel at 1, 2, 4 and 8 warps (the wrapper's
+launch is 4). Timed calls repeat the same step, so after the first no exponent grows and no
+block is requantized: the common case of a decode step, not its worst.
+
+Prefill (`--prefill`): 4 prompts of 4,096 tokens with no cached prefix, in TFLOP/s of causal
+attention, bfloat16 beside e4m3 over a few tile sets.
+
+`triton.testing.do_bench` times each. It asserts nothing: a measuring tool for
+docs/benchmarks.md, never a test. Needs a GPU.
 """
 
 from __future__ import annotations
@@ -19,49 +31,151 @@ import itertools
 import torch
 import triton
 
+from nanoserve.kernels import store_fp8
 from nanoserve.kernels.paged_decode import paged_attention_decode
+from nanoserve.kernels.paged_prefill import paged_attention_prefill
+from nanoserve.kernels.store import store_kvcache
 
 BATCH, CONTEXT, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 256, 1024, 16, 8, 128, 16
+DEVICE = "cuda"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sweep", action="store_true", help="also 12 tile / warp / stage sets")
-    args = parser.parse_args()
-    torch.manual_seed(0)
-    device, num_blocks = "cuda", BATCH * CONTEXT // BLOCK
+def codes(shape) -> torch.Tensor:
+    """Random e4m3 codes, 0x00..0x7E with a random sign: every value but NaN."""
+    magnitude = torch.randint(0, 0x7F, shape, device=DEVICE)
+    return (magnitude | torch.randint(0, 2, shape, device=DEVICE) << 7).to(torch.uint8)
+
+
+def exponents(num_blocks: int) -> torch.Tensor:
+    return torch.randint(-8, 1, (num_blocks, KV_HEADS), device=DEVICE, dtype=torch.int32)
+
+
+def time_us(fn) -> float:
+    return 1000 * triton.testing.do_bench(fn, warmup=25, rep=150)
+
+
+def decode_sets(sweep: bool) -> list[dict]:
+    """The default tiles, then (with sweep) keys x warps x stages, then partitions of 256 and
+    512 positions (split-K even where batch x KV heads already fills the GPU)."""
+    sets: list[dict] = [{}]
+    if sweep:
+        for n, w, s in itertools.product((64, 128), (4, 8), (2, 3, 4)):
+            sets.append(dict(block_n=n, num_warps=w, num_stages=s))
+        for n, s, p in itertools.product((64, 128), (2, 3), (256, 512)):
+            sets.append(dict(block_n=n, num_stages=s, partition_size=p))
+    return sets
+
+
+BFLOAT16_SETS = ({}, dict(block_n=64, num_warps=4, num_stages=3))
+
+
+def bench_decode(sweep: bool) -> None:
+    num_blocks = BATCH * CONTEXT // BLOCK
     shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
-    q = torch.randn(BATCH, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
-    k, v = (torch.randn(shape, device=device, dtype=torch.bfloat16) for _ in range(2))
-
-    def codes() -> torch.Tensor:  # 0x00..0x7E with a random sign: every e4m3 value but NaN
-        magnitude = torch.randint(0, 0x7F, shape, device=device)
-        return (magnitude | torch.randint(0, 2, shape, device=device) << 7).to(torch.uint8)
-
-    def exponents() -> torch.Tensor:
-        return torch.randint(-8, 1, (num_blocks, KV_HEADS), device=device, dtype=torch.int32)
-
-    fp8 = dict(k_scales=exponents(), v_scales=exponents())
-    k_codes, v_codes = codes(), codes()
-    tables = torch.randperm(num_blocks, device=device, dtype=torch.int32).view(BATCH, -1)
-    lens = torch.full((BATCH,), CONTEXT, device=device, dtype=torch.int32)
+    q = torch.randn(BATCH, HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
+    k, v = (torch.randn(shape, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    fp8 = dict(k_scales=exponents(num_blocks), v_scales=exponents(num_blocks))
+    tables = torch.randperm(num_blocks, device=DEVICE, dtype=torch.int32).view(BATCH, -1)
+    lens = torch.full((BATCH,), CONTEXT, device=DEVICE, dtype=torch.int32)
     gigabytes = 2 * k.numel() * k.element_size() / 1e9
-    sets = [{}]
-    if args.sweep:
-        grid = itertools.product((32, 64, 128), (4, 8), (2, 3))
-        sets += [dict(block_n=n, num_warps=w, num_stages=s) for n, w, s in grid]
-    pools = (("bfloat16", k, v, {}, gigabytes), ("e4m3", k_codes, v_codes, fp8, gigabytes / 2))
-    for tiles in sets:
+    pools = (
+        ("bfloat16", k, v, {}, gigabytes),
+        ("e4m3", codes(shape), codes(shape), fp8, gigabytes / 2),
+    )
+    first: dict[str, torch.Tensor] = {}
+    for tiles in decode_sets(sweep):
         for name, k_pool, v_pool, scales, size in pools:
+            if name == "bfloat16" and tiles not in BFLOAT16_SETS:
+                continue
 
             def decode(k_pool=k_pool, v_pool=v_pool, scales=scales, tiles=tiles):
                 return paged_attention_decode(
                     q, k_pool, v_pool, lens, tables, 0.088, **tiles, **scales
                 )
 
-            ms = triton.testing.do_bench(decode, warmup=25, rep=200)
+            out = decode()
+            same = ""
+            if name in first:
+                same = "same" if torch.equal(out, first[name]) else "DIFFERS"
+            first.setdefault(name, out)
+            us = time_us(decode)
             label = str(tiles) if tiles else "default tiles"
-            print(f"{name:9s} {label:55s} {1000 * ms:8.1f} us  {size / ms:.2f} TB/s", flush=True)
+            print(f"decode {name:9s} {label:62s} {us:8.1f} us  {size / us * 1e3:.2f} TB/s  {same}",
+                  flush=True)  # fmt: skip
+
+
+def bench_store() -> None:
+    tokens, num_blocks = BATCH, 4096
+    key, value = (torch.randn(tokens, KV_HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
+                  for _ in range(2))  # fmt: skip
+    blocks = torch.randperm(num_blocks, device=DEVICE)[:tokens]
+    slots = (blocks * BLOCK + torch.randint(0, BLOCK, (tokens,), device=DEVICE)).to(torch.int32)
+    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    k_bf16, v_bf16 = (torch.zeros(shape, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    print(
+        f"store bfloat16 copy            {time_us(lambda: store_kvcache(key, value, k_bf16, v_bf16, slots)):8.2f} us"
+    )  # noqa: E501
+    k_codes, v_codes = (torch.zeros(shape, device=DEVICE, dtype=torch.uint8) for _ in range(2))
+    scales = [torch.full((num_blocks, KV_HEADS), -64, device=DEVICE, dtype=torch.int32)
+              for _ in range(2)]  # fmt: skip
+    store_fp8.store_kvcache_fp8(key, value, k_codes, v_codes, slots, k_scales=scales[0],
+                                v_scales=scales[1])  # fmt: skip
+    want = k_codes.clone(), v_codes.clone()
+    for warps in (1, 2, 4, 8):
+
+        def store(warps=warps):  # the wrapper's launch, with num_warps chosen
+            store_fp8._store_kvcache_fp8_kernel[(tokens, KV_HEADS, 2)](
+                key, value, k_codes, v_codes, *scales, slots, tokens,
+                *key.stride(), *value.stride(),
+                NUM_KV_HEADS=KV_HEADS, HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK,
+                CHUNK=store_fp8.CHUNK, BLOCK_D=HEAD_DIM, num_warps=warps,
+            )  # fmt: skip
+
+        us = time_us(store)
+        same = torch.equal(k_codes, want[0]) and torch.equal(v_codes, want[1])
+        print(f"store e4m3, {warps} warps            {us:8.2f} us  codes as the wrapper's: {same}")
+
+
+def bench_prefill() -> None:
+    prompts, length = 4, 4096
+    num_blocks = prompts * length // BLOCK
+    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    q = torch.randn(prompts * length, HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
+    k, v = (torch.randn(shape, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    fp8 = dict(k_scales=exponents(num_blocks), v_scales=exponents(num_blocks))
+    tables = torch.randperm(num_blocks, device=DEVICE, dtype=torch.int32).view(prompts, -1)
+    cu_seqlens = torch.arange(prompts + 1, device=DEVICE, dtype=torch.int32) * length
+    lens = torch.full((prompts,), length, device=DEVICE, dtype=torch.int32)
+    flop = 4 * prompts * length * length / 2 * HEADS * HEAD_DIM  # QK^T and PV, half the pairs
+    pools = (("bfloat16", k, v, {}), ("e4m3", codes(shape), codes(shape), fp8))
+    for tiles in ({}, dict(num_stages=3), dict(block_m=128, num_warps=8),
+                  dict(block_m=128, num_warps=8, num_stages=3), dict(block_n=32)):  # fmt: skip
+        for name, k_pool, v_pool, scales in pools:
+
+            def prefill(k_pool=k_pool, v_pool=v_pool, scales=scales, tiles=tiles):
+                return paged_attention_prefill(q, k_pool, v_pool, cu_seqlens, lens, tables,
+                                               length, 0.088, **tiles, **scales)  # fmt: skip
+
+            us = time_us(prefill)
+            label = str(tiles) if tiles else "default tiles"
+            print(f"prefill {name:9s} {label:50s} {us:9.1f} us  {flop / us / 1e6:6.1f} TFLOP/s",
+                  flush=True)  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sweep", action="store_true", help="decode over tile and split sets")
+    parser.add_argument("--no-decode", action="store_true", help="skip the decode rows")
+    parser.add_argument("--store", action="store_true", help="time the K/V store kernels")
+    parser.add_argument("--prefill", action="store_true", help="time the prefill kernels")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    if args.store:
+        bench_store()
+    if not args.no_decode:
+        bench_decode(args.sweep)
+    if args.prefill:
+        bench_prefill()
 
 
 if __name__ == "__main__":
