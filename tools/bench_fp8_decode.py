@@ -112,9 +112,8 @@ def bench_store() -> None:
     slots = (blocks * BLOCK + torch.randint(0, BLOCK, (tokens,), device=DEVICE)).to(torch.int32)
     shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
     k_bf16, v_bf16 = (torch.zeros(shape, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
-    print(
-        f"store bfloat16 copy            {time_us(lambda: store_kvcache(key, value, k_bf16, v_bf16, slots)):8.2f} us"
-    )  # noqa: E501
+    copy_us = time_us(lambda: store_kvcache(key, value, k_bf16, v_bf16, slots))
+    print(f"store bfloat16 copy            {copy_us:8.2f} us")
     k_codes, v_codes = (torch.zeros(shape, device=DEVICE, dtype=torch.uint8) for _ in range(2))
     scales = [torch.full((num_blocks, KV_HEADS), -64, device=DEVICE, dtype=torch.int32)
               for _ in range(2)]  # fmt: skip
