@@ -4,6 +4,8 @@
     PYTHONPATH=src python3 tools/bench_fp8_decode.py --sweep    # decode: tiles, warps, stages,
                                                                 # partitions
     PYTHONPATH=src python3 tools/bench_fp8_decode.py --store --prefill --no-decode
+    PYTHONPATH=/tmp/variants python3 tools/bench_fp8_decode.py --variants --no-decode
+                                        # tools/variants/fp8_decode.patch applied to a copy
 
 Decode: batch 256, context 1,024, Qwen3-0.6B's heads (16 query, 8 KV, 128 wide), blocks of 16
 in a shuffled table; random bfloat16 K/V, and random e4m3 codes (never the NaN codes) with
@@ -18,6 +20,11 @@ block is requantized: the common case of a decode step, not its worst.
 
 Prefill (`--prefill`): 4 prompts of 4,096 tokens with no cached prefix, in TFLOP/s of causal
 attention, bfloat16 beside e4m3 over a few tile sets.
+
+Variants (`--variants`, with the patch applied to a copy of src/ on PYTHONPATH): e4m3 decode as
+committed, with V laid out by key (`vt`), with K's dot in float16 (`k16`), and both, over a few
+tile sets; each row says whether its output is bit for bit the committed kernel's at the same
+tiles, and how many programs' queries are exact in float16 (those take k16's loop).
 
 `triton.testing.do_bench` times each. It asserts nothing: a measuring tool for
 docs/benchmarks.md, never a test. Needs a GPU.
@@ -161,14 +168,55 @@ def bench_prefill() -> None:
                   flush=True)  # fmt: skip
 
 
+def bench_variants() -> None:
+    from nanoserve.kernels import paged_decode
+
+    chosen = getattr(paged_decode, "_VARIANTS", None)  # the patched kernel reads it at launch
+    if chosen is None:
+        raise SystemExit("--variants needs tools/variants/fp8_decode.patch applied (its header)")
+    num_blocks = BATCH * CONTEXT // BLOCK
+    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    q = torch.randn(BATCH, HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
+    k_codes, v_codes = codes(shape), codes(shape)
+    by_key = v_codes.permute(0, 2, 3, 1).contiguous().view(shape)  # (block, head, D, token)
+    fp8 = dict(k_scales=exponents(num_blocks), v_scales=exponents(num_blocks))
+    tables = torch.randperm(num_blocks, device=DEVICE, dtype=torch.int32).view(BATCH, -1)
+    lens = torch.full((BATCH,), CONTEXT, device=DEVICE, dtype=torch.int32)
+    gigabytes = k_codes.numel() * 2 / 1e9
+    exact = (q.to(torch.float16).to(q.dtype) == q).view(BATCH, KV_HEADS, -1).all(-1)
+    print(f"{int(exact.sum())} of {exact.numel()} programs' queries are exact in float16")
+    for tiles in ({}, dict(num_stages=3), dict(num_stages=4), dict(block_n=64, num_stages=3)):
+        want = None
+        for variant in ("committed", "vt", "k16", "vt,k16"):
+            chosen.clear()
+            chosen.update(variant.split(","))
+            v_pool = by_key if "vt" in chosen else v_codes
+
+            def decode(tiles=tiles, v_pool=v_pool):
+                return paged_decode.paged_attention_decode(
+                    q, k_codes, v_pool, lens, tables, 0.088, **tiles, **fp8
+                )
+
+            out = decode()
+            want = out if want is None else want
+            same = "same bits" if torch.equal(out, want) else "DIFFERS"
+            us = time_us(decode)
+            label = str(tiles) if tiles else "default tiles"
+            print(f"variant {variant:9s} {label:36s} {us:8.1f} us  "
+                  f"{gigabytes / us * 1e3:.2f} TB/s  {same} as committed", flush=True)  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sweep", action="store_true", help="decode over tile and split sets")
     parser.add_argument("--no-decode", action="store_true", help="skip the decode rows")
     parser.add_argument("--store", action="store_true", help="time the K/V store kernels")
     parser.add_argument("--prefill", action="store_true", help="time the prefill kernels")
+    parser.add_argument("--variants", action="store_true", help="tools/variants/fp8_decode.patch")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.variants:
+        bench_variants()
     if args.store:
         bench_store()
     if not args.no_decode:
