@@ -299,3 +299,46 @@ def test_the_kernel_sass_tool_compiles_the_fp8_decode_kernel_with_under_one_conv
     assert 0 < int(pools["e4m3"]["cvt"]) < codes_per_thread
     for row in table:  # the loop's body, found: a large part of the kernel, never all of it
         assert int(row["instructions"]) // 3 < int(row["loop"]) < int(row["instructions"])
+
+
+def test_the_decode_variants_patch_applies_and_v_laid_out_by_key_reads_the_same_values(tmp_path):
+    """tools/variants/fp8_decode.patch (measured by tools/bench_fp8_decode.py --variants) still
+    applies to src/, and its `vt` kernel, reading V's codes laid out (block, KV head, D, token),
+    gives the committed kernel's output bit for bit: over contexts that end inside a block (one
+    stale, finite code past the end), exactly at a block's end, and at 1 token."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    copy = tmp_path / "variants"
+    shutil.copytree(root / "src", copy, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    patch = root / "tools/variants/fp8_decode.patch"
+    applied = subprocess.run(["git", "apply", "-p1", f"--directory={copy.name}", str(patch)],
+                             cwd=tmp_path, capture_output=True, text=True)  # fmt: skip
+    assert applied.returncode == 0, f"the patch no longer applies to src/: {applied.stderr}"
+    script = """
+import torch
+from nanoserve.kernels import paged_decode
+torch.manual_seed(0)
+shape = (12, 16, 2, 32)  # blocks, block size, KV heads, D
+codes = lambda: (torch.randint(0, 0x7F, shape) | torch.randint(0, 2, shape) << 7).to(torch.uint8)
+k, v = codes(), codes()
+by_key = v.permute(0, 2, 3, 1).contiguous().view(shape)
+scales = dict(k_scales=torch.randint(-8, 1, (12, 2), dtype=torch.int32),
+              v_scales=torch.randint(-8, 1, (12, 2), dtype=torch.int32))
+q = torch.randn(3, 4, 32)
+tables = torch.tensor([[3, 7, 1, 9], [5, 2, 11, 0], [4, 6, 8, 10]], dtype=torch.int32)
+lens = torch.tensor([37, 32, 1], dtype=torch.int32)
+want = paged_decode.paged_attention_decode(q, k, v, lens, tables, 0.25, block_n=32, **scales)
+paged_decode._VARIANTS.add("vt")
+got = paged_decode.paged_attention_decode(q, k, by_key, lens, tables, 0.25, block_n=32, **scales)
+assert torch.equal(got, want), (got - want).abs().max()
+print("same")
+"""
+    env = {**os.environ, "PYTHONPATH": str(copy), "TRITON_INTERPRET": "1"}
+    ran = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert ran.returncode == 0 and ran.stdout.strip() == "same", ran.stderr[-2000:]
