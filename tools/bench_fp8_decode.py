@@ -11,7 +11,7 @@ Decode: batch 256, context 1,024, Qwen3-0.6B's heads (16 query, 8 KV, 128 wide),
 in a shuffled table; random bfloat16 K/V, and random e4m3 codes (never the NaN codes) with
 exponents in -8..0. Prints microseconds and the K/V bytes read per second (the e4m3 pool reads
 half of bfloat16's); each sweep row says whether its output is bit for bit the default tiles'.
-The sweep times bfloat16 at three sets only: it is the yardstick, not the subject.
+The sweep times bfloat16 at two sets only: it is the yardstick, not the subject.
 
 Store (`--store`): one decode step's K/V of 256 tokens, each appending to a block of its own,
 written by bfloat16's copy and by the e4m3 store kernel at 1, 2, 4 and 8 warps (the wrapper's
