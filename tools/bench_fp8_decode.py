@@ -14,9 +14,9 @@ half of bfloat16's); each sweep row says whether its output is bit for bit the d
 The sweep times bfloat16 at two sets only: it is the yardstick, not the subject.
 
 Store (`--store`): one decode step's K/V of 256 tokens, each appending to a block of its own,
-written by bfloat16's copy and by the e4m3 store kernel at 1, 2, 4 and 8 warps (the wrapper's
-launch is 4). Timed calls repeat the same step, so after the first no exponent grows and no
-block is requantized: the common case of a decode step, not its worst.
+written by bfloat16's copy and by the e4m3 store kernel at 1, 2, 4 and 8 warps (its default
+is 4). Timed calls repeat the same step, so after the first no exponent grows and no block is
+requantized: the common case of a decode step, not its worst.
 
 Prefill (`--prefill`): 4 prompts of 4,096 tokens with no cached prefix, in TFLOP/s of causal
 attention, bfloat16 beside e4m3 over a few tile sets.
@@ -38,10 +38,10 @@ import itertools
 import torch
 import triton
 
-from nanoserve.kernels import store_fp8
 from nanoserve.kernels.paged_decode import paged_attention_decode
 from nanoserve.kernels.paged_prefill import paged_attention_prefill
 from nanoserve.kernels.store import store_kvcache
+from nanoserve.kernels.store_fp8 import store_kvcache_fp8
 
 BATCH, CONTEXT, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 256, 1024, 16, 8, 128, 16
 DEVICE = "cuda"
@@ -55,6 +55,16 @@ def codes(shape) -> torch.Tensor:
 
 def exponents(num_blocks: int) -> torch.Tensor:
     return torch.randint(-8, 1, (num_blocks, KV_HEADS), device=DEVICE, dtype=torch.int32)
+
+
+def paged_pool(seqs: int, length: int):
+    """The pool's shape for `seqs` sequences of `length` tokens, their shuffled block tables,
+    their lengths, and random exponents for an e4m3 pool of that shape."""
+    num_blocks = seqs * length // BLOCK
+    tables = torch.randperm(num_blocks, device=DEVICE, dtype=torch.int32).view(seqs, -1)
+    lens = torch.full((seqs,), length, device=DEVICE, dtype=torch.int32)
+    scales = dict(k_scales=exponents(num_blocks), v_scales=exponents(num_blocks))
+    return (num_blocks, BLOCK, KV_HEADS, HEAD_DIM), tables, lens, scales
 
 
 def time_us(fn) -> float:
@@ -77,13 +87,9 @@ BFLOAT16_SETS = ({}, dict(block_n=64, num_warps=4, num_stages=3))
 
 
 def bench_decode(sweep: bool) -> None:
-    num_blocks = BATCH * CONTEXT // BLOCK
-    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    shape, tables, lens, fp8 = paged_pool(BATCH, CONTEXT)
     q = torch.randn(BATCH, HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
     k, v = (torch.randn(shape, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
-    fp8 = dict(k_scales=exponents(num_blocks), v_scales=exponents(num_blocks))
-    tables = torch.randperm(num_blocks, device=DEVICE, dtype=torch.int32).view(BATCH, -1)
-    lens = torch.full((BATCH,), CONTEXT, device=DEVICE, dtype=torch.int32)
     gigabytes = 2 * k.numel() * k.element_size() / 1e9
     pools = (
         ("bfloat16", k, v, {}, gigabytes),
@@ -122,36 +128,23 @@ def bench_store() -> None:
     copy_us = time_us(lambda: store_kvcache(key, value, k_bf16, v_bf16, slots))
     print(f"store bfloat16 copy            {copy_us:8.2f} us")
     k_codes, v_codes = (torch.zeros(shape, device=DEVICE, dtype=torch.uint8) for _ in range(2))
-    scales = [torch.full((num_blocks, KV_HEADS), -64, device=DEVICE, dtype=torch.int32)
-              for _ in range(2)]  # fmt: skip
-    store_fp8.store_kvcache_fp8(key, value, k_codes, v_codes, slots, k_scales=scales[0],
-                                v_scales=scales[1])  # fmt: skip
+    fp8 = {name: torch.full((num_blocks, KV_HEADS), -64, device=DEVICE, dtype=torch.int32)
+           for name in ("k_scales", "v_scales")}  # fmt: skip
+    store_kvcache_fp8(key, value, k_codes, v_codes, slots, **fp8)
     want = k_codes.clone(), v_codes.clone()
     for warps in (1, 2, 4, 8):
-
-        def store(warps=warps):  # the wrapper's launch, with num_warps chosen
-            store_fp8._store_kvcache_fp8_kernel[(tokens, KV_HEADS, 2)](
-                key, value, k_codes, v_codes, *scales, slots, tokens,
-                *key.stride(), *value.stride(),
-                NUM_KV_HEADS=KV_HEADS, HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK,
-                CHUNK=store_fp8.CHUNK, BLOCK_D=HEAD_DIM, num_warps=warps,
-            )  # fmt: skip
-
-        us = time_us(store)
+        us = time_us(lambda w=warps: store_kvcache_fp8(key, value, k_codes, v_codes, slots,
+                                                       **fp8, num_warps=w))  # fmt: skip
         same = torch.equal(k_codes, want[0]) and torch.equal(v_codes, want[1])
-        print(f"store e4m3, {warps} warps            {us:8.2f} us  codes as the wrapper's: {same}")
+        print(f"store e4m3, {warps} warps            {us:8.2f} us  codes as at 4 warps: {same}")
 
 
 def bench_prefill() -> None:
     prompts, length = 4, 4096
-    num_blocks = prompts * length // BLOCK
-    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    shape, tables, lens, fp8 = paged_pool(prompts, length)
     q = torch.randn(prompts * length, HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
     k, v = (torch.randn(shape, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
-    fp8 = dict(k_scales=exponents(num_blocks), v_scales=exponents(num_blocks))
-    tables = torch.randperm(num_blocks, device=DEVICE, dtype=torch.int32).view(prompts, -1)
     cu_seqlens = torch.arange(prompts + 1, device=DEVICE, dtype=torch.int32) * length
-    lens = torch.full((prompts,), length, device=DEVICE, dtype=torch.int32)
     flop = 4 * prompts * length * length / 2 * HEADS * HEAD_DIM  # QK^T and PV, half the pairs
     pools = (("bfloat16", k, v, {}), ("e4m3", codes(shape), codes(shape), fp8))
     for tiles in ({}, dict(num_stages=3), dict(block_m=128, num_warps=8),
@@ -174,14 +167,10 @@ def bench_variants() -> None:
     chosen = getattr(paged_decode, "_VARIANTS", None)  # the patched kernel reads it at launch
     if chosen is None:
         raise SystemExit("--variants needs tools/variants/fp8_decode.patch applied (its header)")
-    num_blocks = BATCH * CONTEXT // BLOCK
-    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    shape, tables, lens, fp8 = paged_pool(BATCH, CONTEXT)
     q = torch.randn(BATCH, HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
     k_codes, v_codes = codes(shape), codes(shape)
     by_key = v_codes.permute(0, 2, 3, 1).contiguous().view(shape)  # (block, head, D, token)
-    fp8 = dict(k_scales=exponents(num_blocks), v_scales=exponents(num_blocks))
-    tables = torch.randperm(num_blocks, device=DEVICE, dtype=torch.int32).view(BATCH, -1)
-    lens = torch.full((BATCH,), CONTEXT, device=DEVICE, dtype=torch.int32)
     gigabytes = k_codes.numel() * 2 / 1e9
     exact = (q.to(torch.float16).to(q.dtype) == q).view(BATCH, KV_HEADS, -1).all(-1)
     print(f"{int(exact.sum())} of {exact.numel()} programs' queries are exact in float16")
