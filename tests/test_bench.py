@@ -305,7 +305,9 @@ def test_the_decode_variants_patch_applies_and_v_laid_out_by_key_reads_the_same_
     """tools/variants/fp8_decode.patch (measured by tools/bench_fp8_decode.py --variants) still
     applies to src/, and its `vt` kernel, reading V's codes laid out (block, KV head, D, token),
     gives the committed kernel's output bit for bit: over contexts that end inside a block (one
-    stale, finite code past the end), exactly at a block's end, and at 1 token."""
+    stale, finite code past the end), exactly at a block's end, and at 1 token; and its store
+    writes the committed store's codes in that layout (runs, then larger values that requantize
+    the older codes)."""
     import os
     import shutil
     import subprocess
@@ -336,6 +338,22 @@ want = paged_decode.paged_attention_decode(q, k, v, lens, tables, 0.25, block_n=
 paged_decode._VARIANTS.add("vt")
 got = paged_decode.paged_attention_decode(q, k, by_key, lens, tables, 0.25, block_n=32, **scales)
 assert torch.equal(got, want), (got - want).abs().max()
+from nanoserve.kernels.store_fp8 import store_kvcache_fp8  # the store writes V by key under vt
+slots = torch.tensor([4, 5, 6, 9, 10, -1, 20, 21, 22, 23, 24, 13], dtype=torch.int32)  # runs
+def store(vt):
+    paged_decode._VARIANTS.discard("vt")
+    paged_decode._VARIANTS.update(["vt"] if vt else [])
+    pool = [torch.zeros(shape, dtype=torch.uint8) for _ in range(2)]
+    exps = dict(k_scales=torch.full((12, 2), -64, dtype=torch.int32),
+                v_scales=torch.full((12, 2), -64, dtype=torch.int32))
+    torch.manual_seed(1)
+    for n, slot_mapping, size in ((12, slots, 1), (3, torch.tensor([7, 11, 25]), 4)):
+        kv = [torch.randn(n, 2, 32) * size for _ in range(2)]  # then larger: codes requantized
+        store_kvcache_fp8(*kv, *pool, slot_mapping.to(torch.int32), **exps)
+    return pool
+by_token, by_key = store(False), store(True)
+assert torch.equal(by_key[0], by_token[0])
+assert torch.equal(by_key[1], by_token[1].permute(0, 2, 3, 1).contiguous().view(shape))
 print("same")
 """
     env = {**os.environ, "PYTHONPATH": str(copy), "TRITON_INTERPRET": "1"}
