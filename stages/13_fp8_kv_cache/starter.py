@@ -86,7 +86,7 @@ def write_run(rows: torch.Tensor, block: torch.Tensor, exponents: torch.Tensor, 
       (the block's previous owner) is ignored.
     - offset > 0: each head keeps max(its old exponent, the rows' own). A head whose exponent
       grew has its older codes block[:offset] requantized at the new scale (dequantize at the
-      old, quantize at the new), so every code of the block shares one scale.
+      old, quantize at the new), so every code of a head in the block shares that head's scale.
 
         block_size 4, one head: rows [1.3, 3.1] at offset 0 -> e -7, values [1.25, 3.0]
         then [6.0] at offset 2: own e -6 > -7 -> e -6, older codes requantized (1.25 and 3.0

@@ -1,10 +1,10 @@
 """Stage 13: a KV pool of float8 (e4m3) codes, one power-of-two scale per (block, KV head).
 
 Introduced in stage 13. Each stored K or V value is one byte, an e4m3 code; the value it stands
-for is `code * 2**e`, where `e` is the exponent of its block and KV head. The exponent is the
+for is `e4m3(code) * 2**e`, where `e` is the exponent of its block and KV head. The exponent is the
 smallest that keeps the block's largest magnitude (its amax) within e4m3's 448:
 
-    e = ceil(log2(amax / 448))          amax 3.1 -> 3.1 / 448 = 0.0069 -> e = -7 (2**-7 = 0.0078)
+    e = the smallest integer with amax <= 448 * 2**e    amax 3.1 -> 3.1 / 448 = 0.0069 -> e = -7
     code = e4m3(x / 2**e)               x = 1.3 -> 1.3 * 128 = 166.4 -> code 0x72 (160), 1.25
 
 A power of two, because then dividing by the scale and multiplying it back are exact: the only
