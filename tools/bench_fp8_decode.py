@@ -22,9 +22,10 @@ Prefill (`--prefill`): 4 prompts of 4,096 tokens with no cached prefix, in TFLOP
 attention, bfloat16 beside e4m3 over a few tile sets.
 
 Variants (`--variants`, with the patch applied to a copy of src/ on PYTHONPATH): e4m3 decode as
-committed, with V laid out by key (`vt`), with K's dot in float16 (`k16`), and both, over a few
-tile sets; each row says whether its output is bit for bit the committed kernel's at the same
-tiles, and how many programs' queries are exact in float16 (those take k16's loop).
+committed, with V laid out by key (`vt`), with K's dot in float16 in one launch (`k16`) or two
+(`k16x`: the fallback apart), and with both, over a few tile sets; each row says whether its
+output is bit for bit the committed kernel's at the same tiles, and how many programs' queries
+are exact in float16 (those take the float16 loop).
 
 `triton.testing.do_bench` times each. It asserts nothing: a measuring tool for
 docs/benchmarks.md, never a test. Needs a GPU.
@@ -176,7 +177,7 @@ def bench_variants() -> None:
     print(f"{int(exact.sum())} of {exact.numel()} programs' queries are exact in float16")
     for tiles in ({}, dict(num_stages=3), dict(num_stages=4), dict(block_n=64, num_stages=3)):
         want = None
-        for variant in ("committed", "vt", "k16", "vt,k16"):
+        for variant in ("committed", "vt", "k16", "vt,k16", "k16x", "vt,k16x"):
             chosen.clear()
             chosen.update(variant.split(","))
             v_pool = by_key if "vt" in chosen else v_codes
