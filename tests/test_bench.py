@@ -372,3 +372,34 @@ print("same")
     ran = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                          timeout=300)  # fmt: skip
     assert ran.returncode == 0 and ran.stdout.strip() == "same", ran.stderr[-2000:]
+
+
+def test_variant_rounds_runs_the_committed_kernels_and_a_variant_in_turn_and_compares_medians(
+    capsys,
+):
+    """tools/variant_rounds.py: one `nanoserve bench` process per engine and round, the variant's
+    with NANOSERVE_FP8_VARIANTS set (on the committed tree the variable is read by nothing, so
+    both are the same engine here), and a summary of medians with every round's ratio."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location(
+        "variant_rounds", root / "tools/variant_rounds.py"
+    )
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    with pytest.raises(SystemExit):
+        tool.main(["--variant", "vt", "--rounds", "2", "--", "--model", "tiny-llama"])
+    assert "must be odd" in capsys.readouterr().err
+    bench = ["--model", "tiny-llama", "--device", "cpu", "--num-seqs", "2", "--max-input-len", "8",
+             "--max-output-len", "4", "--stage", "13", "--kv-cache-dtype", "fp8"]  # fmt: skip
+    tool.main(["--variant", "vt", "--rounds", "1", "--tree", str(root / "src"), "--", *bench])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[1].split(",")[-1].strip() for line in lines[:2]] == ["committed", "vt"]
+    assert lines[2].startswith("nanoserve stage 13") and "(medians of 1)" in lines[2]
+    committed, variant = (
+        float(line.split(": ")[-1].split()[0].replace(",", "")) for line in lines[:2]
+    )
+    of_medians, rounds = lines[2].split("(medians of 1): ")[1].split("x; rounds ")
+    assert abs(float(of_medians) - variant / committed) < 2e-3 and rounds == of_medians
