@@ -140,13 +140,11 @@ def _store_kvcache_fp8_kernel(
                         NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, CHUNK, BLOCK_D)  # fmt: skip
 
 
-def store_kvcache_fp8(
-    key, value, k_cache, v_cache, slot_mapping, *, k_scales, v_scales, num_warps: int = 4
-) -> None:
+def store_kvcache_fp8(key, value, k_cache, v_cache, slot_mapping, *, k_scales, v_scales) -> None:
     """Quantize key, value (T, H_kv, D) into the code caches (num_blocks, block_size, H_kv, D)
     at slot_mapping (T,) (-1 is skipped), growing the exponents (num_blocks, H_kv) in place.
-    num_warps: each program's (Triton's default; `tools/bench_fp8_decode.py --store` times
-    others)."""
+    (Triton's default 4 warps a program: 1, 2 and 4 took the same time on an H100,
+    docs/benchmarks.md.)"""
     _check_fp8_store_args(key, value, k_cache, v_cache, slot_mapping, k_scales, v_scales)
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
@@ -155,7 +153,7 @@ def store_kvcache_fp8(
         key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping, num_tokens,
         *key.stride(), *value.stride(),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], CHUNK=CHUNK,
-        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=num_warps,
+        BLOCK_D=triton.next_power_of_2(head_dim),
     )  # fmt: skip
 
 
