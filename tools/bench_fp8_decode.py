@@ -23,10 +23,8 @@ Prefill (`--prefill`): 4 prompts of 4,096 tokens with no cached prefix, in TFLOP
 attention, bfloat16 beside e4m3 over a few tile sets.
 
 Variants (`--variants`, with the patch applied to a copy of src/ on PYTHONPATH): e4m3 decode as
-committed, with V laid out by key (`vt`), with K's dot in float16 in one kernel (`k16`) or in
-three launches (`k16x`: the check and the fallback apart), and with both, over a few tile
-sets; each row says whether its output is bit for bit the committed kernel's at the same tiles,
-and how many programs' queries are exact in float16 (those take the float16 loop).
+committed beside V laid out by key (`vt`), over a few tile sets; each row says whether its
+output is bit for bit the committed kernel's at the same tiles.
 
 `triton.testing.do_bench` times each. It asserts nothing: a measuring tool for
 docs/benchmarks.md, never a test. Needs a GPU.
@@ -169,11 +167,9 @@ def bench_variants() -> None:
     k_codes, v_codes = codes(shape), codes(shape)
     by_key = v_codes.permute(0, 2, 3, 1).contiguous().view(shape)  # (block, head, D, token)
     gigabytes = k_codes.numel() * 2 / 1e9
-    exact = (q.to(torch.float16).to(q.dtype) == q).view(BATCH, KV_HEADS, -1).all(-1)
-    print(f"{int(exact.sum())} of {exact.numel()} programs' queries are exact in float16")
     for tiles in ({}, dict(num_stages=3), dict(num_stages=4), dict(block_n=64, num_stages=3)):
         want = None
-        for variant in ("committed", "vt", "k16", "vt,k16", "k16x", "vt,k16x"):
+        for variant in ("committed", "vt"):
             chosen.clear()
             chosen.update(variant.split(","))
             v_pool = by_key if "vt" in chosen else v_codes

@@ -109,7 +109,7 @@ def capture_launch(
                                            block_n=block_n, **scales)  # fmt: skip
     finally:
         setattr(module, name, kernel)
-    args, kwargs = launches[0]  # the patch's k16x launches twice: its first, float16 pass
+    args, kwargs = launches[0]
     # A GPU with fp8 instructions converts the codes in hardware; a CPU launch says it cannot.
     kwargs["FP8_HARDWARE"] = kv == "e4m3"
     return kernel, dict(zip(kernel.arg_names, args)), kwargs

@@ -2,7 +2,7 @@
 
     rm -rf /tmp/variants && cp -r src /tmp/variants
     patch -s -d /tmp/variants -p1 < tools/variants/fp8_decode.patch
-    python3 tools/variant_rounds.py --variant vt,k16x --rounds 3 -- \
+    python3 tools/variant_rounds.py --variant vt --rounds 3 -- \
         --model qwen3-0.6b --stage 13 --kv-cache-dtype fp8
 
 `nanoserve bench --repeat --alternate` interleaves stages inside one process; a variant of
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     split = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--variant", required=True, help="NANOSERVE_FP8_VARIANTS, e.g. vt,k16x")
+    parser.add_argument("--variant", required=True, help="NANOSERVE_FP8_VARIANTS, e.g. vt")
     parser.add_argument("--rounds", type=int, default=3, help="an odd number (default: 3)")
     parser.add_argument("--tree", default="/tmp/variants", help="the patched copy of src/")
     args = parser.parse_args(argv[:split])
