@@ -24,7 +24,9 @@ attention, bfloat16 beside e4m3 over a few tile sets.
 
 Variants (`--variants`, with the patch applied to a copy of src/ on PYTHONPATH): e4m3 decode as
 committed beside V laid out by key (`vt`), over a few tile sets; each row says whether its
-output is bit for bit the committed kernel's at the same tiles.
+output is bit for bit the committed kernel's at the same tiles. Then the store of one decode
+step as committed beside `s16`, the build before one-token runs got their own (every run
+loaded and rounded 16 rows), with whether both wrote the same codes and exponents.
 
 `triton.testing.do_bench` times each. It asserts nothing: a measuring tool for
 docs/benchmarks.md, never a test. Needs a GPU.
@@ -117,19 +119,27 @@ def bench_decode(sweep: bool) -> None:
                   flush=True)  # fmt: skip
 
 
-def bench_store() -> None:
+def store_step():
+    """One decode step's K and V (256 tokens, each appending to a block of its own), their
+    slots, and a fresh e4m3 pool's caches and exponents (-64: nothing stored yet)."""
     tokens, num_blocks = BATCH, 4096
     key, value = (torch.randn(tokens, KV_HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
                   for _ in range(2))  # fmt: skip
     blocks = torch.randperm(num_blocks, device=DEVICE)[:tokens]
     slots = (blocks * BLOCK + torch.randint(0, BLOCK, (tokens,), device=DEVICE)).to(torch.int32)
     shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
-    k_bf16, v_bf16 = (torch.zeros(shape, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
-    copy_us = time_us(lambda: store_kvcache(key, value, k_bf16, v_bf16, slots))
-    print(f"store bfloat16 copy            {copy_us:8.2f} us")
-    k_codes, v_codes = (torch.zeros(shape, device=DEVICE, dtype=torch.uint8) for _ in range(2))
+    caches = [torch.zeros(shape, device=DEVICE, dtype=torch.uint8) for _ in range(2)]
     fp8 = {name: torch.full((num_blocks, KV_HEADS), -64, device=DEVICE, dtype=torch.int32)
            for name in ("k_scales", "v_scales")}  # fmt: skip
+    return key, value, slots, caches, fp8
+
+
+def bench_store() -> None:
+    key, value, slots, (k_codes, v_codes), fp8 = store_step()
+    k_bf16, v_bf16 = (torch.zeros(k_codes.shape, device=DEVICE, dtype=torch.bfloat16)
+                      for _ in range(2))  # fmt: skip
+    copy_us = time_us(lambda: store_kvcache(key, value, k_bf16, v_bf16, slots))
+    print(f"store bfloat16 copy            {copy_us:8.2f} us")
     us = time_us(lambda: store_kvcache_fp8(key, value, k_codes, v_codes, slots, **fp8))
     print(f"store e4m3                     {us:8.2f} us")
 
@@ -186,6 +196,23 @@ def bench_variants() -> None:
             label = str(tiles) if tiles else "default tiles"
             print(f"variant {variant:9s} {label:36s} {us:8.1f} us  "
                   f"{gigabytes / us * 1e3:.2f} TB/s  {same} as committed", flush=True)  # fmt: skip
+    key, value, slots, _, _ = store_step()
+    written = None
+    for variant in ("committed", "s16"):  # s16: one-token runs built for 16 rows, as before
+        chosen.clear()
+        chosen.add(variant)
+        _, _, _, caches, fp8 = store_step()
+
+        def store(caches=caches, fp8=fp8):
+            store_kvcache_fp8(key, value, *caches, slots, **fp8)
+
+        store()
+        pool = [*caches, *fp8.values()]
+        written = pool if written is None else written
+        same = all(torch.equal(a, b) for a, b in zip(pool, written))
+        agree = "same" if same else "DIFFERENT"
+        print(f"store   {variant:9s} a decode step's 256 tokens {time_us(store):8.2f} us  "
+              f"{agree} codes and exponents as committed", flush=True)  # fmt: skip
 
 
 def main() -> None:

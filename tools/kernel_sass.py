@@ -4,6 +4,7 @@
     PYTHONPATH=src python3 tools/kernel_sass.py --dtype float16      # a float16 model
     PYTHONPATH=src python3 tools/kernel_sass.py --kv e4m3 --block-n 64,128 --warps 4,8
     PYTHONPATH=src python3 tools/kernel_sass.py --kernel prefill                # prompts of 1,024
+    PYTHONPATH=src python3 tools/kernel_sass.py --kernel store --kv e4m3       # the e4m3 store
     PYTHONPATH=src python3 tools/kernel_sass.py --kv e4m3 --dump /tmp/decode   # .ttgir .ptx .sass
 
 No GPU is needed: Triton's wheel carries ptxas and cuobjdump, so the kernel is compiled exactly
@@ -25,7 +26,8 @@ It counts instructions in the binary, not instructions executed: each loop's bod
 (prefill has two: the diagonal's masked tiles, then the full ones), so the counts
 compare variants of one kernel, they are not times. Launch arguments are those of
 Qwen3-0.6B's heads (16 query, 8 KV, 128 wide), blocks of 16 tokens, contexts of 1,024: decode
-steps, or whole prompts with `--kernel prefill`.
+steps, or whole prompts with `--kernel prefill`; `--kernel store` (with `--kv e4m3`) compiles
+the e4m3 store as a decode step launches it.
 A measuring tool for docs/benchmarks.md, never a test; the Triton version matters (printed).
 """
 
@@ -48,12 +50,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from nanoserve.cache.fp8_pool import Fp8KVPool
-from nanoserve.kernels import paged_decode, paged_prefill
+from nanoserve.kernels import paged_decode, paged_prefill, store_fp8
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 16
 WRAPPERS = {
     "decode": (paged_decode, "_decode_partition_kernel"),
     "prefill": (paged_prefill, "_prefill_kernel"),
+    "store": (store_fp8, "_store_kvcache_fp8_kernel"),  # e4m3 only; --block-n is not its
 }
 KINDS = {
     "cvt": re.compile(r"^(F2F|F2FP|I2F|F2I)\b"),
@@ -99,7 +102,11 @@ def capture_launch(
 
     setattr(module, name, Recorder())
     try:
-        if kernel_name == "decode":
+        if kernel_name == "store":  # a decode step's: one new token a sequence
+            key, value = (torch.randn(batch, KV_HEADS, HEAD_DIM, dtype=dtype) for _ in range(2))
+            slots = (tables[:, -1] * BLOCK + BLOCK - 1).contiguous()
+            module.store_kvcache_fp8(key, value, k, v, slots, **scales)
+        elif kernel_name == "decode":
             q = torch.randn(batch, HEADS, HEAD_DIM, dtype=dtype)
             module.paged_attention_decode(q, k, v, lens, tables, 0.088, block_n=block_n, **scales)
         else:  # whole prompts of 1,024 tokens
@@ -199,6 +206,8 @@ def main() -> None:
     pools = args.kv.split(",")
     if not set(pools) <= {"auto", "e4m3"}:
         parser.error(f"argument --kv: expected auto, e4m3 or both, got {args.kv!r}")
+    if args.kernel == "store" and pools != ["e4m3"]:
+        parser.error("argument --kv: --kernel store is the e4m3 pool's store, pass --kv e4m3")
     try:
         numbers = [list(map(int, a.split(","))) for a in (args.block_n, args.warps, args.stages)]
     except ValueError:

@@ -37,23 +37,43 @@ CHUNK = 16  # run rows handled at once; a longer run (block_size 64) loops
 
 @triton.jit
 def _write_run_head(
-    x_ptr, stride_t, stride_d, cache_ptr, scale_ptr, slots_ptr, slot, limit,
+    x_ptr, stride_t, stride_d, cache_ptr, scale_ptr, slots_ptr, slot, limit, alone,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """`fp8.write_run` for one head of K or of V. x_ptr: the head's row of the run's first token,
-    slots_ptr: its slot_mapping entry (slot), limit: the most tokens the run may have. cache_ptr
-    points at the head's (D,) codes of slot 0, scale_ptr at the block's exponent.
+    slots_ptr: its slot_mapping entry (slot), limit: the most tokens the run may have, alone:
+    whether the run is this one token. cache_ptr points at the head's (D,) codes of slot 0,
+    scale_ptr at the block's exponent.
+
+    A decode step's runs are one token each, so that case gets a build of its own with one row:
+    built for CHUNK rows, a program would load and round 16 rows to write one."""
+    if alone:
+        _write_rows(x_ptr, stride_t, stride_d, cache_ptr, scale_ptr, slots_ptr, slot, 1,
+                    NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, CHUNK, BLOCK_D, 1)  # fmt: skip
+    else:
+        _write_rows(x_ptr, stride_t, stride_d, cache_ptr, scale_ptr, slots_ptr, slot, limit,
+                    NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, CHUNK, BLOCK_D, CHUNK)  # fmt: skip
+
+
+@triton.jit
+def _write_rows(
+    x_ptr, stride_t, stride_d, cache_ptr, scale_ptr, slots_ptr, slot, limit,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    """`_write_run_head`, ROWS of the run at a time (1 or CHUNK); older rows CHUNK at a time.
 
     A decode step's store is a chain of waits on memory, not arithmetic, so the loads that do
     not depend on each other go out together: the block's old exponent beside the run's rows,
-    and the rows beside their slots. When a run fits one chunk (blocks of up to CHUNK tokens,
-    the default 16) its rows are loaded once and kept for the codes."""
+    and the rows beside their slots. When a run fits one load of ROWS rows (one token, or blocks
+    of up to CHUNK tokens, the default 16) its rows are loaded once and kept for the codes."""
     old = tl.load(scale_ptr)  # meaningful only if the block already holds tokens (offset > 0)
     offset = slot % BLOCK_SIZE
-    if BLOCK_SIZE <= CHUNK:  # pass 1, the run's amax, from the one chunk it fits in
+    ONE_LOAD: tl.constexpr = (ROWS == 1) or (BLOCK_SIZE <= CHUNK)
+    if ONE_LOAD:  # pass 1, the run's amax, from the one load it fits in
         x, mask = _load_run_rows(x_ptr, stride_t, stride_d, slots_ptr, slot, 0, limit,
-                                 CHUNK, HEAD_DIM, BLOCK_D)  # fmt: skip
+                                 ROWS, HEAD_DIM, BLOCK_D)  # fmt: skip
         amax = tl.maximum(0.0, tl.max(tl.abs(x)))
     else:
         amax = 0.0
@@ -72,8 +92,8 @@ def _write_run_head(
                 y = e4m3_value(tl.load(ptrs, mask_old)) * power_of_two(old) * power_of_two(-new)
                 tl.store(ptrs, e4m3_code(y), mask_old)
         new = tl.maximum(new, old)
-    if BLOCK_SIZE <= CHUNK:  # pass 3: the run's own codes
-        ptrs = _code_ptrs(cache_ptr, slot + tl.arange(0, CHUNK), NUM_KV_HEADS, HEAD_DIM, BLOCK_D)
+    if ONE_LOAD:  # pass 3: the run's own codes
+        ptrs = _code_ptrs(cache_ptr, slot + tl.arange(0, ROWS), NUM_KV_HEADS, HEAD_DIM, BLOCK_D)
         tl.store(ptrs, e4m3_code(x * power_of_two(-new)), mask)
     else:
         for start in range(0, limit, CHUNK):
@@ -123,20 +143,22 @@ def _store_kvcache_fp8_kernel(
     token, head, is_value = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)  # int64: slot * H_kv * D may pass 2**31
     previous = tl.load(slot_mapping_ptr + token - 1, mask=token > 0, other=-1).to(tl.int64)
+    following = tl.load(slot_mapping_ptr + token + 1, mask=token + 1 < num_tokens, other=-1)
     goes_on = (slot % BLOCK_SIZE != 0) & (previous == slot - 1)  # token - 1 leads or went on
     if (slot < 0) | goes_on:  # padding (-1) writes nothing; a run's later tokens are its leader's
         return
     limit = tl.minimum(BLOCK_SIZE - slot % BLOCK_SIZE, num_tokens - token)  # the run's most tokens
+    alone = (limit == 1) | (following.to(tl.int64) != slot + 1)  # as every run of a decode step
     scale = (slot // BLOCK_SIZE) * NUM_KV_HEADS + head  # this block and head's exponent
     if is_value == 0:
         _write_run_head(key_ptr + token * key_stride_t + head * key_stride_h, key_stride_t,
                         key_stride_d, k_cache_ptr + head * HEAD_DIM, k_scales_ptr + scale,
-                        slot_mapping_ptr + token, slot, limit,
+                        slot_mapping_ptr + token, slot, limit, alone,
                         NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, CHUNK, BLOCK_D)  # fmt: skip
     else:
         _write_run_head(value_ptr + token * value_stride_t + head * value_stride_h,
                         value_stride_t, value_stride_d, v_cache_ptr + head * HEAD_DIM,
-                        v_scales_ptr + scale, slot_mapping_ptr + token, slot, limit,
+                        v_scales_ptr + scale, slot_mapping_ptr + token, slot, limit, alone,
                         NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, CHUNK, BLOCK_D)  # fmt: skip
 
 
