@@ -6,6 +6,11 @@
     PYTHONPATH=src python3 tools/bench_fp8_decode.py --store --prefill --no-decode
     PYTHONPATH=/tmp/variants python3 tools/bench_fp8_decode.py --variants --no-decode
                                         # tools/variants/fp8_decode.patch applied to a copy
+    PYTHONPATH=src ncu --clock-control none -k 'regex:decode_partition|store_kvcache' \
+        --section SpeedOfLight --section Occupancy --section WarpStateStats \
+        --section SchedulerStats python3 tools/bench_fp8_decode.py --once
+                                        # why a kernel takes its time, where ncu can read
+                                        # the counters (device KINDS.md: Firecracker)
 
 Decode: batch 256, context 1,024, Qwen3-0.6B's heads (16 query, 8 KV, 128 wide), blocks of 16
 in a shuffled table; random bfloat16 K/V, and random e4m3 codes (never the NaN codes) with
@@ -215,6 +220,21 @@ def bench_variants() -> None:
               f"{agree} codes and exponents as committed", flush=True)  # fmt: skip
 
 
+def run_once() -> None:
+    """One default-tile decode launch per pool, then one e4m3 store: what a profiler such as
+    ncu reads (its counters replay a launch many times; do_bench's hundreds would be many
+    minutes)."""
+    shape, tables, lens, fp8 = paged_pool(BATCH, CONTEXT)
+    q = torch.randn(BATCH, HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
+    k, v = (torch.randn(shape, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    paged_attention_decode(q, k, v, lens, tables, 0.088)
+    paged_attention_decode(q, codes(shape), codes(shape), lens, tables, 0.088, **fp8)
+    key, value, slots, caches, scales = store_step()
+    store_kvcache_fp8(key, value, *caches, slots, **scales)
+    torch.cuda.synchronize()
+    print("ran: decode bfloat16, decode e4m3, store e4m3 (once each)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sweep", action="store_true", help="decode over tile and split sets")
@@ -222,8 +242,13 @@ def main() -> None:
     parser.add_argument("--store", action="store_true", help="time the K/V store kernels")
     parser.add_argument("--prefill", action="store_true", help="time the prefill kernels")
     parser.add_argument("--variants", action="store_true", help="tools/variants/fp8_decode.patch")
+    parser.add_argument("--once", action="store_true",
+                        help="each pool's decode and the store once, untimed (ncu)")  # fmt: skip
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.once:
+        run_once()
+        return
     if args.variants:
         bench_variants()
     if args.store:
