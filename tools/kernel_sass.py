@@ -56,7 +56,7 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 16
 WRAPPERS = {
     "decode": (paged_decode, "_decode_partition_kernel"),
     "prefill": (paged_prefill, "_prefill_kernel"),
-    "store": (store_fp8, "_store_kvcache_fp8_kernel"),  # e4m3 only; --block-n is not its
+    "store": (store_fp8, "_store_kvcache_fp8_kernel"),  # e4m3 only; no key tiles (--block-n)
 }
 KINDS = {
     "cvt": re.compile(r"^(F2F|F2FP|I2F|F2I)\b"),
@@ -117,8 +117,9 @@ def capture_launch(
     finally:
         setattr(module, name, kernel)
     args, kwargs = launches[0]
-    # A GPU with fp8 instructions converts the codes in hardware; a CPU launch says it cannot.
-    kwargs["FP8_HARDWARE"] = kv == "e4m3"
+    if "FP8_HARDWARE" in kernel.arg_names:  # the attention kernels' (the store has no such flag)
+        # A GPU with fp8 instructions converts the codes in hardware; a CPU launch says it cannot.
+        kwargs["FP8_HARDWARE"] = kv == "e4m3"
     return kernel, dict(zip(kernel.arg_names, args)), kwargs
 
 
