@@ -307,8 +307,8 @@ def test_the_decode_variants_patch_applies_and_v_laid_out_by_key_reads_the_same_
     gives the committed kernel's output bit for bit: over contexts that end inside a block (one
     stale, finite code past the end), exactly at a block's end, and at 1 token; its store
     writes the committed store's codes in that layout (runs, then larger values that requantize
-    the older codes); and `s16`, the store with one-token runs built for 16 rows, writes the
-    committed store's codes."""
+    the older codes); `s16`, the store with one-token runs built for 16 rows, writes the
+    committed store's codes; and `r128` caps the e4m3 decode kernel's registers only."""
     import os
     import shutil
     import subprocess
@@ -357,6 +357,9 @@ assert torch.equal(by_key[0], by_token[0])
 assert torch.equal(by_key[1], by_token[1].permute(0, 2, 3, 1).contiguous().view(shape))
 paged_decode._VARIANTS.add("s16")  # every run built for 16 rows: the same codes and exponents
 assert all(torch.equal(a, b) for a, b in zip(store(False), by_token))
+paged_decode._VARIANTS.add("r128")  # a register cap for the e4m3 kernel only (a GPU's option)
+assert paged_decode._register_cap(True) == {"maxnreg": 128}
+assert paged_decode._register_cap(False) == {}
 print("same")
 """
     env = {**os.environ, "PYTHONPATH": str(copy), "TRITON_INTERPRET": "1"}

@@ -28,10 +28,12 @@ Prefill (`--prefill`): 4 prompts of 4,096 tokens with no cached prefix, in TFLOP
 attention, bfloat16 beside e4m3 over a few tile sets.
 
 Variants (`--variants`, with the patch applied to a copy of src/ on PYTHONPATH): e4m3 decode as
-committed beside V laid out by key (`vt`), over a few tile sets; each row says whether its
-output is bit for bit the committed kernel's at the same tiles. Then the store of one decode
-step as committed beside `s16`, the build before one-token runs got their own (every run
-loaded and rounded 16 rows), with whether both wrote the same codes and exponents.
+committed beside V laid out by key (`vt`), the committed layout with at most 128 registers a
+thread (`r128`: 4 programs an SM, not 3), and `vt` with at most 96 (5), over a few tile sets;
+each row says whether its output is bit for bit the committed kernel's at the same tiles.
+Then the store of one decode step as committed beside `s16`, the build before one-token runs
+got their own (every run loaded and rounded 16 rows), with whether both wrote the same codes
+and exponents.
 
 `triton.testing.do_bench` times each. It asserts nothing: a measuring tool for
 docs/benchmarks.md, never a test. Needs a GPU.
@@ -184,7 +186,7 @@ def bench_variants() -> None:
     gigabytes = k_codes.numel() * 2 / 1e9
     for tiles in ({}, dict(num_stages=3), dict(num_stages=4), dict(block_n=64, num_stages=3)):
         want = None
-        for variant in ("committed", "vt"):
+        for variant in ("committed", "vt", "r128", "vt,r96"):
             chosen.clear()
             chosen.update(variant.split(","))
             v_pool = by_key if "vt" in chosen else v_codes

@@ -125,7 +125,8 @@ def capture_launch(
 
 def compile_for_sm90(kernel, values: dict, kwargs: dict):
     """Specialize as Triton's launcher does, then compile for compute capability 9.0."""
-    options = {name: kwargs.pop(name) for name in ("num_warps", "num_stages")}
+    options = {name: kwargs.pop(name) for name in ("num_warps", "num_stages", "maxnreg")
+               if name in kwargs}  # fmt: skip
     values = {**values, **kwargs}
     signature, constexprs, attrs = {}, {}, {}
     for index, name in enumerate(kernel.arg_names):
