@@ -151,6 +151,20 @@ def test_a_run_ends_at_the_last_token_though_the_memory_after_it_goes_on():
     store_both(key[:5], value[:5], poisoned_caches(2, 8, 1, 8), slots[:5])
 
 
+def test_one_token_runs_in_long_blocks_grow_the_exponent_as_a_decode_step_does():
+    """A decode step's runs are one token each (the kernel builds them with one row): past
+    the first CHUNK rows of 64-token blocks, growing the exponent and so requantizing 40 older
+    rows; beside a run of 3, and with the batch's last token one of them."""
+    gen = torch.Generator().manual_seed(7)
+    caches = poisoned_caches(3, 64, 2, 8)
+    first = torch.rand(2, 40, 2, 8, generator=gen)  # a prompt of 40 in block 1: exponent -8
+    caches = store_both(*strided_kv(first, torch.float32), caches, torch.arange(64, 104))
+    step = torch.randn(2, 5, 2, 8, generator=gen) * 100.0  # larger: the exponents grow
+    slots = torch.tensor([17, 18, 19, 104, 130])  # a run of 3, then one token, then one token
+    caches = store_both(*strided_kv(step, torch.float32), caches, slots)
+    assert (caches.k_scales[1] > -8).all()
+
+
 def e4m3_values() -> torch.Tensor:
     """Every finite e4m3 magnitude (0 .. 448), as float32."""
     return torch.arange(0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()

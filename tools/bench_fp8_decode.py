@@ -208,13 +208,13 @@ def bench_variants() -> None:
     for variant in ("committed", "s16"):  # s16: one-token runs built for 16 rows, as before
         chosen.clear()
         chosen.add(variant)
-        _, _, _, caches, fp8 = store_step()
+        _, _, _, caches, exps = store_step()
 
-        def store(caches=caches, fp8=fp8):
-            store_kvcache_fp8(key, value, *caches, slots, **fp8)
+        def store(caches=caches, exps=exps):
+            store_kvcache_fp8(key, value, *caches, slots, **exps)
 
         store()
-        pool = [*caches, *fp8.values()]
+        pool = [*caches, *exps.values()]
         written = pool if written is None else written
         same = all(torch.equal(a, b) for a, b in zip(pool, written))
         agree = "same" if same else "DIFFERENT"

@@ -214,6 +214,8 @@ def main() -> None:
         numbers = [list(map(int, a.split(","))) for a in (args.block_n, args.warps, args.stages)]
     except ValueError:
         parser.error("arguments --block-n, --warps, --stages: comma-separated integers")
+    if args.kernel == "store":  # no key tiles: one row, whatever --block-n says
+        numbers[0] = numbers[0][:1]
     dtype = getattr(torch, args.dtype)
     header = None
     for kv, block_n, warps, stages in itertools.product(pools, *numbers):

@@ -148,7 +148,7 @@ def _store_kvcache_fp8_kernel(
     if (slot < 0) | goes_on:  # padding (-1) writes nothing; a run's later tokens are its leader's
         return
     limit = tl.minimum(BLOCK_SIZE - slot % BLOCK_SIZE, num_tokens - token)  # the run's most tokens
-    alone = (limit == 1) | (following.to(tl.int64) != slot + 1)  # as every run of a decode step
+    alone = (limit == 1) | (following.to(tl.int64) != slot + 1)  # one token: a decode step's runs
     scale = (slot // BLOCK_SIZE) * NUM_KV_HEADS + head  # this block and head's exponent
     if is_value == 0:
         _write_run_head(key_ptr + token * key_stride_t + head * key_stride_h, key_stride_t,
