@@ -126,19 +126,26 @@ def bench_decode(sweep: bool) -> None:
                   flush=True)  # fmt: skip
 
 
+STORE_BLOCKS = 4096  # the pool a decode step's store writes into
+
+
 def store_step():
     """One decode step's K and V (256 tokens, each appending to a block of its own), their
-    slots, and a fresh e4m3 pool's caches and exponents (-64: nothing stored yet)."""
-    tokens, num_blocks = BATCH, 4096
-    key, value = (torch.randn(tokens, KV_HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
+    slots, and a fresh e4m3 pool (`fresh_codes`)."""
+    key, value = (torch.randn(BATCH, KV_HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
                   for _ in range(2))  # fmt: skip
-    blocks = torch.randperm(num_blocks, device=DEVICE)[:tokens]
-    slots = (blocks * BLOCK + torch.randint(0, BLOCK, (tokens,), device=DEVICE)).to(torch.int32)
-    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    blocks = torch.randperm(STORE_BLOCKS, device=DEVICE)[:BATCH]
+    slots = (blocks * BLOCK + torch.randint(0, BLOCK, (BATCH,), device=DEVICE)).to(torch.int32)
+    return key, value, slots, *fresh_codes()
+
+
+def fresh_codes():
+    """An e4m3 pool's K and V codes (zeros) and exponents (-64: nothing stored yet)."""
+    shape = (STORE_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
     caches = [torch.zeros(shape, device=DEVICE, dtype=torch.uint8) for _ in range(2)]
-    fp8 = {name: torch.full((num_blocks, KV_HEADS), -64, device=DEVICE, dtype=torch.int32)
-           for name in ("k_scales", "v_scales")}  # fmt: skip
-    return key, value, slots, caches, fp8
+    exps = {name: torch.full((STORE_BLOCKS, KV_HEADS), -64, device=DEVICE, dtype=torch.int32)
+            for name in ("k_scales", "v_scales")}  # fmt: skip
+    return caches, exps
 
 
 def bench_store() -> None:
@@ -208,7 +215,7 @@ def bench_variants() -> None:
     for variant in ("committed", "s16"):  # s16: one-token runs built for 16 rows, as before
         chosen.clear()
         chosen.add(variant)
-        _, _, _, caches, exps = store_step()
+        caches, exps = fresh_codes()
 
         def store(caches=caches, exps=exps):
             store_kvcache_fp8(key, value, *caches, slots, **exps)
@@ -218,7 +225,7 @@ def bench_variants() -> None:
         written = pool if written is None else written
         same = all(torch.equal(a, b) for a, b in zip(pool, written))
         agree = "same" if same else "DIFFERENT"
-        print(f"store   {variant:9s} a decode step's 256 tokens {time_us(store):8.2f} us  "
+        print(f"store   {variant:9s} a decode step's {BATCH} tokens {time_us(store):8.2f} us  "
               f"{agree} codes and exponents as committed", flush=True)  # fmt: skip
 
 

@@ -116,7 +116,7 @@ def capture_launch(
                                            block_n=block_n, **scales)  # fmt: skip
     finally:
         setattr(module, name, kernel)
-    args, kwargs = launches[0]
+    ((args, kwargs),) = launches  # one launch: the kernel's
     if "FP8_HARDWARE" in kernel.arg_names:  # the attention kernels' (the store has no such flag)
         # A GPU with fp8 instructions converts the codes in hardware; a CPU launch says it cannot.
         kwargs["FP8_HARDWARE"] = kv == "e4m3"
