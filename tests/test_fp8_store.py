@@ -54,6 +54,7 @@ def poisoned_caches(num_blocks, block_size, num_kv_heads, head_dim, seed=0) -> F
 def store_both(key, value, caches: Fp8Caches, slot_mapping) -> Fp8Caches:
     """Store with the kernel into caches (in place) and with torch into a copy; assert that the
     codes and exponents are bitwise equal. Returns the caches as torch left them."""
+    slot_mapping = slot_mapping.to(DEVICE)  # with a GPU: beside the caches, as the engine's are
     want = Fp8Caches(*(c.clone() for c in caches))
     want.store_with(torch_store_fp8, key, value, slot_mapping)
     caches.store_with(store_kvcache_fp8, key, value, slot_mapping)
@@ -200,9 +201,14 @@ def test_requantizing_every_code_down_by_one_to_four_powers_of_two_rounds_as_tor
     values[:, :16, 0] = torch.cat([codes, torch.zeros(2)]).view(4, 64).repeat(4, 1)
     for shift in range(1, 5):  # block `shift - 1`: rows 0..3 are the codes at exponent 0
         values[:, 16 + shift - 1, 0, 0] = E4M3_MAX * 2.0**shift  # its one new token
-    slot_mapping = [*range(4), *range(8, 12), *range(16, 20), *range(24, 28), 4, 12, 20, 28]
-    slots = torch.tensor(slot_mapping, device=DEVICE)
-    caches = store_both(*strided_kv(values, torch.float32), poisoned_caches(4, 8, 1, 64), slots)
+    # Two calls, as two engine steps: in one call two runs must not share a block (a GPU runs
+    # their programs at once; the interpreter, one after the other, would hide the race).
+    older = torch.tensor([*range(4), *range(8, 12), *range(16, 20), *range(24, 28)])
+    caches = store_both(*strided_kv(values[:, :16], torch.float32), poisoned_caches(4, 8, 1, 64),
+                        older)  # fmt: skip
+    assert caches.k_scales.flatten().tolist() == [0, 0, 0, 0]
+    new = torch.tensor([4, 12, 20, 28])
+    caches = store_both(*strided_kv(values[:, 16:], torch.float32), caches, new)
     assert caches.k_scales.flatten().tolist() == [1, 2, 3, 4]
 
 
@@ -218,11 +224,11 @@ def test_zero_and_tiny_blocks_take_the_smallest_exponent_and_keep_the_sign_of_ze
 
 
 def test_store_refuses_caches_that_are_not_uint8_codes():
-    key = value = torch.zeros(2, 1, 8)
+    key = value = torch.zeros(2, 1, 8, device=DEVICE)
     caches = poisoned_caches(2, 4, 1, 8)
     floats = caches._replace(k_cache=caches.k_cache.float(), v_cache=caches.v_cache.float())
     with pytest.raises(ValueError, match="uint8"):
-        floats.store_with(store_kvcache_fp8, key, value, torch.tensor([0, 1]))
+        floats.store_with(store_kvcache_fp8, key, value, torch.tensor([0, 1], device=DEVICE))
 
 
 @pytest.mark.gpu
