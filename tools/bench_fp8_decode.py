@@ -6,6 +6,7 @@
     PYTHONPATH=src python3 tools/bench_fp8_decode.py --store --prefill --no-decode
     PYTHONPATH=/tmp/variants python3 tools/bench_fp8_decode.py --variants --no-decode
                                         # tools/variants/fp8_decode.patch applied to a copy
+    PYTHONPATH=/tmp/variants python3 tools/bench_fp8_decode.py --batches 132,256 --no-decode
     PYTHONPATH=src ncu --clock-control none -k 'regex:decode_partition|store_kvcache' \
         --section SpeedOfLight --section Occupancy --section WarpStateStats \
         --section SchedulerStats python3 tools/bench_fp8_decode.py --once
@@ -33,7 +34,9 @@ thread (`r128`: 4 programs an SM, not 3), and `vt` with at most 96 (5), over a f
 each row says whether its output is bit for bit the committed kernel's at the same tiles.
 Then the store of one decode step as committed beside `s16`, the build before one-token runs
 got their own (every run loaded and rounded 16 rows), with whether both wrote the same codes
-and exponents.
+and exponents. `--batches 132,198,256` (with the patch) times bfloat16 and e4m3's decode
+(committed, `vt`, `r128`, and the first two at 8 warps) over batch sizes, in K/V TB/s: does the
+kernel read faster where its programs fill whole rounds of the SMs?
 
 `triton.testing.do_bench` times each. It asserts nothing: a measuring tool for
 docs/benchmarks.md, never a test. Needs a GPU.
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+from functools import partial
 
 import torch
 import triton
@@ -229,6 +233,43 @@ def bench_variants() -> None:
               f"{agree} codes and exponents as committed", flush=True)  # fmt: skip
 
 
+def bench_batches(batches: list[int]) -> None:
+    """K/V bytes per second against the batch size (programs: batch x KV heads, so some batches
+    fill whole rounds of the SMs and some leave the last round part empty): bfloat16, then e4m3
+    as committed, `vt`, `r128`, and the first two at 8 warps a program. Needs the patch."""
+    from nanoserve.kernels import paged_decode
+
+    chosen = getattr(paged_decode, "_VARIANTS", None)
+    if chosen is None:
+        raise SystemExit("--batches needs tools/variants/fp8_decode.patch applied (its header)")
+    for batch in batches:
+        print(f"batch {batch:4d} programs {batch * KV_HEADS:5d}  " + batch_row(batch, chosen),
+              flush=True)  # fmt: skip
+
+
+def batch_row(batch: int, chosen: set) -> str:
+    """One --batches row: each kernel's K/V TB/s at this batch, context CONTEXT."""
+    decode = paged_attention_decode  # the patched kernel's wrapper, with the patch on the path
+    shape, tables, lens, fp8 = paged_pool(batch, CONTEXT)
+    q = torch.randn(batch, HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
+    k_codes, v_codes = codes(shape), codes(shape)
+    by_key = v_codes.permute(0, 2, 3, 1).contiguous().view(shape)  # (block, head, D, token)
+    gigabytes = k_codes.numel() * 2 / 1e9
+    k, v = (torch.randn(shape, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    chosen.clear()
+    us = time_us(lambda: decode(q, k, v, lens, tables, 0.088))
+    cells = [f"bfloat16 {2 * gigabytes / us * 1e3:.2f}"]
+    for variant, warps in (("committed", 4), ("vt", 4), ("r128", 4), ("committed", 8), ("vt", 8)):
+        chosen.clear()
+        chosen.add(variant)
+        v_pool = by_key if variant == "vt" else v_codes
+        us = time_us(
+            partial(decode, q, k_codes, v_pool, lens, tables, 0.088, num_warps=warps, **fp8)
+        )
+        cells.append(f"{variant}{'/8w' if warps == 8 else ''} {gigabytes / us * 1e3:.2f}")
+    return "  ".join(cells) + "  (TB/s)"
+
+
 def run_once() -> None:
     """One default-tile decode launch per pool, then one e4m3 store: what a profiler such as
     ncu reads (its counters replay a launch many times; do_bench's hundreds would be many
@@ -251,6 +292,9 @@ def main() -> None:
     parser.add_argument("--store", action="store_true", help="time the K/V store kernels")
     parser.add_argument("--prefill", action="store_true", help="time the prefill kernels")
     parser.add_argument("--variants", action="store_true", help="tools/variants/fp8_decode.patch")
+    parser.add_argument("--batches", type=lambda text: [int(b) for b in text.split(",")],
+                        help="e4m3 decode variants over these batch sizes, e.g. 132,198,256 "
+                        "(needs the patch)")  # fmt: skip
     parser.add_argument("--once", action="store_true",
                         help="each pool's decode and the store once, untimed (ncu)")  # fmt: skip
     args = parser.parse_args()
@@ -260,6 +304,8 @@ def main() -> None:
         return
     if args.variants:
         bench_variants()
+    if args.batches:
+        bench_batches(args.batches)
     if args.store:
         bench_store()
     if not args.no_decode:
