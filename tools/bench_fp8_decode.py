@@ -185,17 +185,31 @@ def bench_prefill() -> None:
                   flush=True)  # fmt: skip
 
 
+def chosen_variants(option: str) -> set:
+    """The patched kernels' set of variants (read at each launch); exits without the patch."""
+    from nanoserve.kernels import paged_decode
+
+    chosen = getattr(paged_decode, "_VARIANTS", None)
+    if chosen is None:
+        raise SystemExit(f"{option} needs tools/variants/fp8_decode.patch applied (its header)")
+    return chosen
+
+
+def e4m3_decode_inputs(batch: int):
+    """Queries, an e4m3 pool's K and V codes, V's codes laid out by key (`vt`: block, head, D,
+    token), the tables, lengths and exponents, and the codes' gigabytes (K and V)."""
+    shape, tables, lens, fp8 = paged_pool(batch, CONTEXT)
+    q = torch.randn(batch, HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
+    k_codes, v_codes = codes(shape), codes(shape)
+    by_key = v_codes.permute(0, 2, 3, 1).contiguous().view(shape)
+    return q, k_codes, v_codes, by_key, tables, lens, fp8, k_codes.numel() * 2 / 1e9
+
+
 def bench_variants() -> None:
     from nanoserve.kernels import paged_decode
 
-    chosen = getattr(paged_decode, "_VARIANTS", None)  # the patched kernel reads it at launch
-    if chosen is None:
-        raise SystemExit("--variants needs tools/variants/fp8_decode.patch applied (its header)")
-    shape, tables, lens, fp8 = paged_pool(BATCH, CONTEXT)
-    q = torch.randn(BATCH, HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
-    k_codes, v_codes = codes(shape), codes(shape)
-    by_key = v_codes.permute(0, 2, 3, 1).contiguous().view(shape)  # (block, head, D, token)
-    gigabytes = k_codes.numel() * 2 / 1e9
+    chosen = chosen_variants("--variants")
+    q, k_codes, v_codes, by_key, tables, lens, fp8, gigabytes = e4m3_decode_inputs(BATCH)
     for tiles in ({}, dict(num_stages=3), dict(num_stages=4), dict(block_n=64, num_stages=3)):
         want = None
         for variant in ("committed", "vt", "r128", "vt,r96"):
@@ -239,11 +253,7 @@ def bench_batches(batches: list[int]) -> None:
     """K/V bytes per second against the batch size (programs: batch x KV heads, so some batches
     fill whole rounds of the SMs and some leave the last round part empty): bfloat16, then e4m3
     as committed, `vt`, `r128`, and the first two at 8 warps a program. Needs the patch."""
-    from nanoserve.kernels import paged_decode
-
-    chosen = getattr(paged_decode, "_VARIANTS", None)
-    if chosen is None:
-        raise SystemExit("--batches needs tools/variants/fp8_decode.patch applied (its header)")
+    chosen = chosen_variants("--batches")
     for batch in batches:
         print(f"batch {batch:4d} programs {batch * KV_HEADS:5d}  " + batch_row(batch, chosen),
               flush=True)  # fmt: skip
@@ -253,12 +263,8 @@ def bench_batches(batches: list[int]) -> None:
 def batch_row(batch: int, chosen: set) -> str:
     """One --batches row: each kernel's K/V TB/s at this batch, context CONTEXT."""
     decode = paged_attention_decode  # the patched kernel's wrapper, with the patch on the path
-    shape, tables, lens, fp8 = paged_pool(batch, CONTEXT)
-    q = torch.randn(batch, HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
-    k_codes, v_codes = codes(shape), codes(shape)
-    by_key = v_codes.permute(0, 2, 3, 1).contiguous().view(shape)  # (block, head, D, token)
-    gigabytes = k_codes.numel() * 2 / 1e9
-    k, v = (torch.randn(shape, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    q, k_codes, v_codes, by_key, tables, lens, fp8, gigabytes = e4m3_decode_inputs(batch)
+    k, v = (torch.randn(k_codes.shape, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
     chosen.clear()
     us = time_us(lambda: decode(q, k, v, lens, tables, 0.088))
     cells = [f"bfloat16 {2 * gigabytes / us * 1e3:.2f}"]
